@@ -1,0 +1,47 @@
+# trace-jax: `make run` runs the default experiment, `make test` the whole suite.
+# Both create the virtual environment on first use; nothing else needs installing.
+SHELL := /bin/bash
+.ONESHELL:
+
+find_python = $(shell for p in $(1) $$HOME/.pyenv/versions/$(2)*/bin/$(1) /usr/local/bin/$(1) /usr/bin/$(1); do \
+	if $$p --version >/dev/null 2>&1; then echo $$p; break; fi; done)
+PYTHON312 ?= $(call find_python,python3.12,3.12)
+PYTHON311 ?= $(call find_python,python3.11,3.11)
+VENV := .venv
+REF_VENV := .venv-ref
+PY := $(VENV)/bin/python
+# The independent reference implementations (torch/torchao) live in their own environment so that
+# the package never depends on torch; the machine's local CPU build of torch is for Python 3.11.
+REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5
+
+.PHONY: run test lint pytest ref-env clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "python3.12 not found (set PYTHON312=/path/to/python3.12)"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+$(REF_VENV)/.installed:
+	@test -n "$(PYTHON311)" || { echo "python3.11 not found (set PYTHON311=/path/to/python3.11)"; exit 1; }
+	test -x $(REF_VENV)/bin/python || $(PYTHON311) -m venv $(REF_VENV)
+	$(REF_VENV)/bin/python -m pip install -q $(REF_PACKAGES)
+	touch $@
+
+ref-env: $(REF_VENV)/.installed
+
+run: $(VENV)/.installed
+	$(PY) -m experiments run configs/default.yaml
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+pytest: $(VENV)/.installed $(REF_VENV)/.installed
+	TRACE_REF_PYTHON=$(REF_VENV)/bin/python $(VENV)/bin/pytest -q -n 2 tests notebooks --nbmake
+
+test: lint pytest
+
+clean:
+	rm -rf $(VENV) $(REF_VENV) .pytest_cache .ruff_cache .hypothesis
