@@ -1,4 +1,4 @@
-"""Suite-wide settings: GPU-marked tests skip (and are reported) without a GPU; hypothesis profile."""
+"""Suite-wide settings: GPU-marked tests skip (reported) without a GPU; the hypothesis profile."""
 
 import os
 

@@ -1,10 +1,10 @@
 """FP4 formats and numerics: NVFP4 / MXFP4 quantization, fake quant and rollout-guided rounding.
 
-    >>> qt = quantize(x, "nvfp4")                 # QTensor: packed codes + scales
-    >>> x_hat = dequantize(qt, jnp.bfloat16)
-    >>> y = fake_quant(x, "nvfp4")               # QAT: RTN forward, straight-through backward
-    >>> g = rollout_guidance(quantize(x_rollout, "nvfp4", global_scale="row"))
-    >>> y = guided_fake_quant(x_train, g)         # TRACE: rollout-guided forward, STE backward
+>>> qt = quantize(x, "nvfp4")                 # QTensor: packed codes + scales
+>>> x_hat = dequantize(qt, jnp.bfloat16)
+>>> y = fake_quant(x, "nvfp4")               # QAT: RTN forward, straight-through backward
+>>> g = rollout_guidance(quantize(x_rollout, "nvfp4", global_scale="row"))
+>>> y = guided_fake_quant(x_train, g)         # TRACE: rollout-guided forward, STE backward
 """
 
 from trace_jax.fp4.e2m1 import (

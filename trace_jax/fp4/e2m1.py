@@ -14,6 +14,7 @@ from trace_jax.fp4.formats import (
     E2M1_MAX,
     E2M1_SIGN_BIT,
     E2M1_VALUES,
+    F32_MIN_NORMAL,
 )
 
 # Round-to-nearest-even thresholds on |z|: the magnitude code is the number of thresholds passed.
@@ -81,8 +82,12 @@ def guided_round(z: jax.Array, mantissa_bit: jax.Array) -> jax.Array:
       mantissa_bit: [...] uint8 (0 or 1), the rollout code's mantissa bit.
     Returns:
       [...] uint8 4-bit codes (sign in bit 3).
+
+    Subnormal float32 ``z`` count as zero (an exact code) on every backend: XLA flushes them on
+    CPU and GPU, and the explicit flush keeps the result independent of that.
     """
     a = jnp.abs(z)
+    a = jnp.where(a < F32_MIN_NORMAL, 0.0, a)
     lo = floor_magnitude(a)
     on_code = magnitude_value(lo) == a
     hi = jnp.minimum(lo + 1, 7).astype(jnp.uint8)

@@ -40,7 +40,7 @@ block scale still fits E4M3."""
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E2M1_EMAX = 2
-"""Exponent of the largest power of two in E2M1 (4 = 2**2); the MX scale is 2**(floor(log2 amax) - 2)."""
+"""Exponent of E2M1's largest power of two (4 = 2**2): MX scale = 2**(floor(log2 amax) - 2)."""
 
 F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 
@@ -82,4 +82,6 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
         return fmt
     if isinstance(fmt, str) and fmt.lower() in FORMATS:
         return FORMATS[fmt.lower()]
-    raise ValueError(f"unknown FP4 format {fmt!r}; expected one of {sorted(FORMATS)} or a FormatSpec")
+    raise ValueError(
+        f"unknown FP4 format {fmt!r}; expected one of {sorted(FORMATS)} or a FormatSpec"
+    )

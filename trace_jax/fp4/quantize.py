@@ -263,7 +263,9 @@ def _check_options(spec, shape, axis, global_scale, rounding, key, scale_rule, b
     if rounding == "stochastic" and key is None:
         raise ValueError(f"{name}: rounding='stochastic' needs a PRNG key (key=...)")
     if scale_rule not in ("max6", "four_over_six"):
-        raise ValueError(f"{name}: scale_rule must be 'max6' or 'four_over_six', got {scale_rule!r}")
+        raise ValueError(
+            f"{name}: scale_rule must be 'max6' or 'four_over_six', got {scale_rule!r}"
+        )
     if scale_rule == "four_over_six" and not spec.has_global_scale:
         raise ValueError(f"{name}: scale_rule='four_over_six' is defined for NVFP4 only")
     if block_2d:

@@ -22,7 +22,6 @@ from trace_jax.fp4.quantize import (
     Rounding,
     ScaleRule,
     block_scale_values,
-    decode_blocks,
     dequantize,
     from_blocks,
     normalise,
@@ -70,7 +69,13 @@ def _in_range(z: jax.Array, axis: int) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "fmt", "axis", "global_scale", "rounding", "scale_rule", "block_2d", "mask_outside"
+        "fmt",
+        "axis",
+        "global_scale",
+        "rounding",
+        "scale_rule",
+        "block_2d",
+        "mask_outside",
     ),
 )
 def fake_quant(
@@ -97,13 +102,20 @@ def fake_quant(
     """
     xs = jax.lax.stop_gradient(x)
     qt = quantize(
-        xs, fmt, axis=axis, global_scale=global_scale, rounding=rounding, key=key,
-        scale_rule=scale_rule, block_2d=block_2d,
+        xs,
+        fmt,
+        axis=axis,
+        global_scale=global_scale,
+        rounding=rounding,
+        key=key,
+        scale_rule=scale_rule,
+        block_2d=block_2d,
     )
     mask = None
     if mask_outside:
-        mask = _in_range(_normalised_by(xs, qt.block_scales, qt.global_scale, qt.fmt, qt.axis),
-                         qt.axis)
+        mask = _in_range(
+            _normalised_by(xs, qt.block_scales, qt.global_scale, qt.fmt, qt.axis), qt.axis
+        )
     return straight_through(x, dequantize(qt, x.dtype), mask)
 
 
@@ -221,8 +233,12 @@ def code_values(qt: QTensor) -> jax.Array:
     return from_blocks(e2m1.decode_e2m1(unpacked_codes(qt)), qt.axis)
 
 
-def guidance_nbytes(shape: tuple[int, ...], fmt: FormatSpec, axis: int = -1,
-                    global_scale: GlobalScaleMode = "tensor") -> int:
+def guidance_nbytes(
+    shape: tuple[int, ...],
+    fmt: FormatSpec,
+    axis: int = -1,
+    global_scale: GlobalScaleMode = "tensor",
+) -> int:
     """Bytes of the ``Guidance`` record for a tensor of ``shape`` (no arrays needed)."""
     stored = stored_shape(tuple(shape), axis % len(shape))
     rows = int(np.prod(stored[:-1]))
@@ -231,4 +247,3 @@ def guidance_nbytes(shape: tuple[int, ...], fmt: FormatSpec, axis: int = -1,
     if fmt.has_global_scale:
         n += 4 * (rows if global_scale == "row" else 1)
     return n
-

@@ -1,0 +1,310 @@
+"""Block-scaled quantization: stored fields, error bounds, edge cases, options and errors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from trace_jax import fp4
+from trace_jax.fp4.formats import E2M1_VALUES, E4M3_MAX, E4M3_MIN_NORMAL
+
+
+def np_decode(qt: fp4.QTensor) -> np.ndarray:
+    """Independent float64 decode of a QTensor's stored fields, in the stored layout."""
+    packed = np.asarray(qt.codes)
+    codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    values = E2M1_VALUES[codes].astype(np.float64)
+    scales = np.asarray(qt.block_scales)
+    if qt.fmt.name == "nvfp4":
+        scales = scales.astype(np.float64)
+    else:
+        scales = np.where(scales == 255, np.nan, 2.0 ** (np.maximum(scales, 1).astype(int) - 127))
+    b = qt.fmt.block_size
+    s = np.repeat(scales, b, axis=-1)
+    return values * s * np.asarray(qt.global_scale, np.float64)
+
+
+def step_bound(z: np.ndarray) -> np.ndarray:
+    """Half the spacing of the E2M1 bracket around |z| (the RTN error bound in code units)."""
+    a = np.abs(z)
+    return np.where(a <= 2, 0.25, np.where(a <= 4, 0.5, 1.0))
+
+
+def check_error_bound(x: np.ndarray, qt: fp4.QTensor):
+    """|x - x^| <= s * halfstep(x / s) inside the range, <= |x| - 6 s beyond it, plus the one
+    float32 rounding of the dequantized value."""
+    x_st = np.moveaxis(np.asarray(x, np.float64), qt.axis, -1)
+    scales = np.asarray(qt.block_scales)
+    if qt.fmt.name == "nvfp4":
+        scales = scales.astype(np.float64)
+    else:
+        scales = 2.0 ** (np.maximum(scales, 1).astype(int) - 127)
+    s = np.repeat(scales, qt.fmt.block_size, axis=-1) * np.asarray(qt.global_scale, np.float64)
+    z = x_st / s
+    deq = np.moveaxis(np.asarray(fp4.dequantize(qt)), qt.axis, -1)
+    err = np.abs(deq.astype(np.float64) - x_st)
+    bound = np.where(np.abs(z) <= 6, s * step_bound(z), np.abs(x_st) - 6 * s)
+    slack = bound * 1e-6 + np.spacing(np.abs(deq)).astype(np.float64)
+    assert np.all(err <= bound + slack), float(np.max(err - bound - slack))
+
+
+DISTRIBUTIONS = {
+    "normal": lambda k, s: jax.random.normal(k, s),
+    "uniform": lambda k, s: jax.random.uniform(k, s, minval=-3, maxval=3),
+    "student_t": lambda k, s: jax.random.t(k, 2.0, s),
+    "outliers": lambda k, s: jax.random.normal(k, s).at[..., 3].multiply(1000.0),
+    "tiny": lambda k, s: jax.random.normal(k, s) * 1e-20,
+    "huge": lambda k, s: jax.random.normal(k, s) * 1e20,
+}
+
+
+@pytest.mark.parametrize("dist", sorted(DISTRIBUTIONS))
+@pytest.mark.parametrize(
+    ("fmt", "global_scale"), [("nvfp4", "tensor"), ("nvfp4", "row"), ("mxfp4", "tensor")]
+)
+def test_dequantize_matches_the_stored_fields_and_the_error_bound(dist, fmt, global_scale):
+    x = DISTRIBUTIONS[dist](jax.random.key(hash(dist) % 1000), (8, 128)).astype(jnp.float32)
+    qt = fp4.quantize(x, fmt, global_scale=global_scale)
+    assert qt.codes.shape == (8, 64) and qt.codes.dtype == jnp.uint8
+    assert qt.block_scales.shape == (8, 128 // qt.fmt.block_size)
+    deq = np.asarray(fp4.dequantize(qt))
+    np.testing.assert_array_equal(deq, np_decode(qt).astype(np.float32))
+    check_error_bound(np.asarray(x), qt)
+
+
+def test_e4m3_block_scales_are_the_ml_dtypes_cast():
+    x = jax.random.normal(jax.random.key(1), (32, 256)) * jnp.exp(
+        jax.random.normal(jax.random.key(2), (32, 1)) * 4
+    )
+    qt = fp4.quantize(x, "nvfp4")
+    amax_b = np.abs(np.asarray(x).reshape(32, 16, 16)).max(-1)
+    s_g = np.float32(np.abs(np.asarray(x)).max() / np.float32(6 * 448))
+    want = np.clip((amax_b / np.float32(6)) / s_g, E4M3_MIN_NORMAL, E4M3_MAX).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    np.testing.assert_array_equal(np.asarray(qt.block_scales).view(np.uint8), want.view(np.uint8))
+    assert float(qt.global_scale) == s_g
+
+
+def test_mxfp4_scale_is_the_ocp_rule():
+    x = jax.random.normal(jax.random.key(3), (16, 64)) * 10
+    qt = fp4.quantize(x, "mxfp4")
+    amax_b = np.abs(np.asarray(x, np.float64)).reshape(16, 2, 32).max(-1)
+    np.testing.assert_array_equal(
+        np.asarray(qt.block_scales).astype(int) - 127, np.floor(np.log2(amax_b)) - 2
+    )
+
+
+def test_ties_on_exact_midpoints_round_to_even():
+    # Scales of exactly 1: NVFP4 with tensor amax 6*448 (s_g = 1) and a block max of 6 (s_b = 1);
+    # MXFP4 with a block max of 6 (2**(floor(log2 6) - 2) = 1).
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    row = np.array([6.0, *mids, *(-m for m in mids), 0.0], np.float32)
+    want = np.array([6, 0, 1, 1, 2, 2, 4, 4, 0, -1, -1, -2, -2, -4, -4, 0], np.float32)
+    nv = np.stack([row, np.r_[np.float32(6 * 448), np.zeros(15, np.float32)]])
+    got = np.asarray(fp4.dequantize(fp4.quantize(jnp.asarray(nv), "nvfp4")))[0]
+    np.testing.assert_array_equal(got, want)
+    mx = np.concatenate([row, row])[None]
+    got = np.asarray(fp4.dequantize(fp4.quantize(jnp.asarray(mx), "mxfp4")))[0]
+    np.testing.assert_array_equal(got, np.concatenate([want, want]))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_all_zero_blocks_and_tensors(fmt):
+    top = {"nvfp4": 6 * 448.0, "mxfp4": 6 * 512.0}[fmt]  # exactly representable in each format
+    x = jnp.zeros((4, 64)).at[0, 0].set(top)
+    qt = fp4.quantize(x, fmt)
+    deq = np.asarray(fp4.dequantize(qt))
+    assert np.all(deq[1:] == 0) and np.all(deq[0, 1:] == 0) and deq[0, 0] == top
+    assert np.all(np.asarray(qt.codes)[1:] == 0)
+    zero = fp4.quantize(jnp.zeros((2, 64)), fmt, global_scale="tensor")
+    assert np.all(np.asarray(fp4.dequantize(zero)) == 0)
+    assert np.all(np.isfinite(np.asarray(zero.global_scale)))
+
+
+def test_underflowing_block_scale_clamps_to_the_smallest_normal_e4m3():
+    # Block 1's amax is 1e-7 of the tensor's: its ideal scale ~2.7e-5 is below E4M3's range.
+    x = jnp.concatenate([jnp.full((1, 16), 1.0), jnp.linspace(-1e-7, 1e-7, 16)[None]], axis=1)
+    qt = fp4.quantize(x, "nvfp4")
+    scales = np.asarray(qt.block_scales).astype(np.float32)[0]
+    assert scales[1] == E4M3_MIN_NORMAL
+    check_error_bound(np.asarray(x), qt)
+
+
+def test_the_block_holding_the_tensor_max_saturates_e4m3_exactly():
+    x = jax.random.normal(jax.random.key(4), (4, 64)).at[2, 5].set(-50.0)
+    qt = fp4.quantize(x, "nvfp4")
+    assert float(qt.block_scales.astype(jnp.float32)[2, 0]) == E4M3_MAX
+    got = float(fp4.dequantize(qt)[2, 5])
+    assert abs(got + 50.0) <= np.spacing(np.float32(50.0))
+
+
+def test_negative_zero_round_trips_with_its_sign():
+    x = jnp.zeros((1, 32)).at[0, 1].set(-0.0).at[0, 2].set(1.0)
+    for fmt in ("nvfp4", "mxfp4"):
+        qt = fp4.quantize(x, fmt)
+        codes = np.asarray(fp4.unpacked_codes(qt)).reshape(-1)
+        assert codes[1] == 8 and codes[0] == 0
+        assert np.signbit(np.asarray(fp4.dequantize(qt))[0, 1])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_inputs_propagate_to_their_scale_group(bad):
+    x = np.array(jax.random.normal(jax.random.key(5), (4, 64)))
+    x[1, 40] = bad
+    # NVFP4, per-tensor: the whole tensor shares the NaN global scale.
+    assert np.all(np.isnan(np.asarray(fp4.dequantize(fp4.quantize(x, "nvfp4")))))
+    # NVFP4, per-row: only row 1.
+    deq = np.asarray(fp4.dequantize(fp4.quantize(x, "nvfp4", global_scale="row")))
+    assert np.all(np.isnan(deq[1])) and np.all(np.isfinite(np.delete(deq, 1, 0)))
+    # MXFP4: only the block of 32 holding it.
+    deq = np.asarray(fp4.dequantize(fp4.quantize(x, "mxfp4")))
+    assert np.all(np.isnan(deq[1, 32:])) and np.isfinite(deq).sum() == deq.size - 32
+
+
+def test_per_row_global_scale_makes_a_row_independent_of_its_batch():
+    x = jax.random.normal(jax.random.key(6), (6, 3, 64)) * jnp.arange(1, 7)[:, None, None]
+    qt = fp4.quantize(x, "nvfp4", global_scale="row")
+    assert qt.global_scale.shape == (6, 3, 1)
+    alone = fp4.quantize(x[4, 1][None], "nvfp4", global_scale="row")
+    np.testing.assert_array_equal(np.asarray(qt.codes[4, 1]), np.asarray(alone.codes[0]))
+    np.testing.assert_array_equal(
+        np.asarray(qt.block_scales[4, 1]).view(np.uint8),
+        np.asarray(alone.block_scales[0]).view(np.uint8),
+    )
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantizing_along_axis_0_equals_quantizing_the_transpose(fmt):
+    w = jax.random.normal(jax.random.key(7), (64, 48))
+    a = fp4.quantize(w, fmt, axis=0)
+    b = fp4.quantize(w.T, fmt, axis=-1)
+    assert a.shape == (64, 48) and a.axis == 0 and a.codes.shape == (48, 32)
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(fp4.dequantize(a)), np.asarray(fp4.dequantize(b)).T)
+
+
+def test_2d_blocks_share_one_scale_per_16x16_tile():
+    w = jax.random.normal(jax.random.key(8), (32, 64)) * jnp.exp(
+        jax.random.normal(jax.random.key(9), (32, 1))
+    )
+    qt = fp4.quantize(w, "nvfp4", block_2d=True)
+    scales = np.asarray(qt.block_scales).astype(np.float32)
+    tiles = scales.reshape(2, 16, 4)
+    assert np.all(tiles == tiles[:, :1, :])
+    tile_amax = np.abs(np.asarray(w)).reshape(2, 16, 4, 16).max(axis=(1, 3))
+    s_g = float(qt.global_scale)
+    want = np.clip(tile_amax / 6 / s_g, E4M3_MIN_NORMAL, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(tiles[:, 0, :], want.astype(np.float32))
+    check_error_bound(np.asarray(w), qt)
+
+
+def test_four_over_six_never_loses_to_either_candidate_and_helps_on_average():
+    x = jax.random.normal(jax.random.key(10), (64, 256))
+    err = {}
+    for rule in ("max6", "four_over_six"):
+        deq = fp4.dequantize(fp4.quantize(x, "nvfp4", scale_rule=rule))
+        err[rule] = np.square(np.asarray(deq - x)).reshape(64, 16, 16).sum(-1)
+    qt46 = fp4.quantize(x, "nvfp4", scale_rule="four_over_six")
+    assert float(qt46.global_scale) == pytest.approx(float(jnp.abs(x).max()) / (6 * 256), rel=1e-6)
+    # Per block, 4/6 keeps the better of "max to 6" and "max to 4" under its global scale,
+    # so it is never worse than max-6 with the same global scale (recomputed here).
+    s_g = qt46.global_scale
+    amax_b = jnp.abs(x).reshape(64, 16, 16).max(-1)
+    for target in (6.0, 4.0):
+        s_b = (
+            jnp.clip(amax_b / target / s_g, E4M3_MIN_NORMAL, E4M3_MAX)
+            .astype(jnp.float8_e4m3fn)
+            .astype(jnp.float32)
+        )
+        s = (s_b * s_g)[..., None]
+        z = jnp.clip(x.reshape(64, 16, 16) * ((1 / s_g) / s_b)[..., None], -6, 6)
+        cand = fp4.decode_e2m1(fp4.round_to_e2m1(z)) * s
+        cand_err = np.square(np.asarray(cand - x.reshape(64, 16, 16))).sum(-1)
+        assert np.all(err["four_over_six"] <= cand_err * (1 + 1e-6))
+    assert err["four_over_six"].sum() < err["max6"].sum()
+
+
+def test_stochastic_rounding_is_unbiased_through_quantize():
+    x = jax.random.normal(jax.random.key(11), (2, 64))
+    keys = jax.random.split(jax.random.key(12), 2000)
+    deq = jax.vmap(
+        lambda k: fp4.dequantize(fp4.quantize(x, "nvfp4", rounding="stochastic", key=k))
+    )(keys)
+    qt = fp4.quantize(x, "nvfp4")
+    s = np.repeat(np.asarray(qt.block_scales).astype(np.float32), 16, -1) * float(qt.global_scale)
+    # The scales do not depend on the rounding, so inside the range the error of the mean is a
+    # few s / sqrt(n); beyond it (where the E4M3 scale rounded down) values saturate to 6 s.
+    inside = np.abs(np.asarray(x)) <= 6 * s
+    err = np.abs(np.asarray(deq.mean(0) - x))
+    assert np.all(err[inside] <= (4 * 2 * s / np.sqrt(len(keys)))[inside] + 1e-7)
+    saturated = np.abs(np.asarray(deq)[:, ~inside])
+    np.testing.assert_allclose(
+        saturated, np.broadcast_to((6 * s)[~inside], saturated.shape), rtol=1e-6
+    )
+    assert not np.all(np.asarray(deq[0]) == np.asarray(deq[1]))
+
+
+def test_vmap_over_quantize_equals_a_loop():
+    x = (
+        jax.random.normal(jax.random.key(13), (3, 4, 32))
+        * jnp.array([1.0, 100.0, 0.01])[:, None, None]
+    )
+    batched = jax.vmap(lambda t: fp4.dequantize(fp4.quantize(t, "nvfp4")))(x)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            np.asarray(batched[i]), np.asarray(fp4.dequantize(fp4.quantize(x[i], "nvfp4")))
+        )
+
+
+def test_qtensor_is_a_pytree_that_crosses_jit():
+    qt = fp4.quantize(jax.random.normal(jax.random.key(14), (4, 32)), "mxfp4")
+    leaves, treedef = jax.tree_util.tree_flatten(qt)
+    assert len(leaves) == 3
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(fp4.dequantize)(again)), np.asarray(fp4.dequantize(qt))
+    )
+    assert qt.nbytes == 4 * 16 + 4 * 1 + 4
+
+
+def test_bf16_inputs_and_outputs():
+    x = jax.random.normal(jax.random.key(15), (4, 64)).astype(jnp.bfloat16)
+    qt = fp4.quantize(x, "nvfp4")
+    np.testing.assert_array_equal(
+        np.asarray(fp4.dequantize(qt, jnp.bfloat16)).astype(np.float32),
+        np.asarray(fp4.dequantize(qt)).astype(ml_dtypes.bfloat16).astype(np.float32),
+    )
+    check_error_bound(np.asarray(x.astype(jnp.float32)), qt)
+
+
+@given(
+    hnp.arrays(np.float32, (4, 32), elements=st.floats(-1e4, 1e4, width=32)),
+    st.sampled_from(["nvfp4", "mxfp4"]),
+)
+def test_error_bound_holds_for_arbitrary_inputs(x, fmt):
+    check_error_bound(x, fp4.quantize(jnp.asarray(x), fmt))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(x=np.ones((3, 17)), fmt="nvfp4"), r"shape \(3, 17\).*17 elements.*block size 16"),
+        (dict(x=np.ones((48, 3)), fmt="mxfp4", axis=0), r"shape \(48, 3\).*axis 0.*block size 32"),
+        (dict(x=np.ones((2, 16)), fmt="fp5"), "unknown FP4 format"),
+        (dict(x=np.ones((2, 32)), fmt="mxfp4", global_scale="row"), "NVFP4 only"),
+        (dict(x=np.ones((2, 16)), fmt="nvfp4", rounding="stochastic"), "needs a PRNG key"),
+        (dict(x=np.ones((8, 16)), fmt="nvfp4", block_2d=True), r"8 rows"),
+        (dict(x=np.ones((2, 32)), fmt="mxfp4", scale_rule="four_over_six"), "NVFP4 only"),
+        (dict(x=np.ones((2, 16), np.int32), fmt="nvfp4"), "floating-point"),
+        (dict(x=np.ones((2, 16)), fmt="nvfp4", axis=2), "out of range"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(kwargs, match):
+    x = jnp.asarray(kwargs.pop("x"))
+    with pytest.raises((ValueError, TypeError), match=match):
+        fp4.quantize(x, **kwargs)
