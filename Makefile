@@ -32,7 +32,7 @@ $(REF_VENV)/.installed:
 ref-env: $(REF_VENV)/.installed
 
 run: $(VENV)/.installed
-	$(PY) -m experiments run configs/default.yaml
+	$(PY) -m experiments run configs/default.yaml $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,1 @@
+"""Experiments: the registry of named pipelines, the entry point and the benchmark scripts."""

@@ -1,0 +1,3 @@
+"""Importing this package registers every pipeline."""
+
+from experiments.pipelines import fp4_formats  # noqa: F401

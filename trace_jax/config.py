@@ -1,0 +1,151 @@
+"""Configs are data: frozen dataclasses built from YAML mappings and ``key=value`` overrides.
+
+Unknown keys and values of the wrong type fail at load time, naming the dotted key::
+
+    cfg = load_config(MyConfig, "configs/x.yaml", ["model.num_layers=4", "seed=1"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing or has a bad value; the message names the dotted key."""
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build the frozen dataclass ``cls`` from a (nested) mapping, checking keys and types."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        names = ", ".join(_join(prefix, k) for k in unknown)
+        raise ConfigError(f"unknown config key(s) {names}; known: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, _join(prefix, name))
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+    except ConfigError as e:  # raised by __post_init__ with the field's name: add the prefix
+        raise ConfigError(f"{prefix}.{e}" if prefix else str(e)) from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, YAML-serialisable dict of a config dataclass (tuples become lists)."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a copy of a nested dict."""
+    out = _deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _deepcopy(d):
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: bad value {value!r}")
+    if origin in (tuple, list) or tp in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            items = [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+        elif origin is tuple and args:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            items = [
+                _convert(a, v, f"{key}[{i}]")
+                for i, (a, v) in enumerate(zip(args, value, strict=True))
+            ]
+        else:
+            elem = args[0] if args else Any
+            items = [_convert(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin or tp) is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
