@@ -12,7 +12,7 @@ REF_VENV := .venv-ref
 PY := $(VENV)/bin/python
 # The independent reference implementations (torch/torchao) live in their own environment so that
 # the package never depends on torch; the machine's local CPU build of torch is for Python 3.11.
-REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5
+REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5 transformers==5.23.0 safetensors==0.8.0
 
 .PHONY: run test lint pytest ref-env clean
 
@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-$(REF_VENV)/.installed:
+$(REF_VENV)/.installed: Makefile
 	@test -n "$(PYTHON311)" || { echo "python3.11 not found (set PYTHON311=/path/to/python3.11)"; exit 1; }
 	test -x $(REF_VENV)/bin/python || $(PYTHON311) -m venv $(REF_VENV)
 	$(REF_VENV)/bin/python -m pip install -q $(REF_PACKAGES)

@@ -1,0 +1,120 @@
+"""Pure functions of the Qwen3-MoE transformer: norms, RoPE, attention, routing, expert dispatch.
+
+The NNX modules in ``transformer.py`` hold parameters and call these; the rollout engine and the
+Pallas kernels plug into the same functions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32. x: [..., H]; weight: [H]. Returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split convention (Hugging Face ``rotate_half``).
+
+    Args:
+      x: [B, T, heads, D].
+      positions: [B, T] int32.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention (reference path), softmax in float32.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv.
+      mask: [B, T, S] bool, True where query t may attend to key s.
+    Returns:
+      [B, T, Hq, D] in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array) -> jax.Array:
+    """[B, T] query positions, [B, S] key positions and validity -> [B, T, S] bool."""
+    return (kv_positions[:, None, :] <= q_positions[:, :, None]) & kv_valid[:, None, :]
+
+
+def route(
+    router_logits: jax.Array, top_k: int, norm_topk_prob: bool, replay: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax router with top-k selection, or replay of recorded choices.
+
+    Args:
+      router_logits: [N, E] float32.
+      top_k: experts per token.
+      norm_topk_prob: renormalise the selected probabilities to sum to 1.
+      replay: None or [N, k] int32 recorded expert ids (Rollout Routing Replay): the expert set is
+        the recorded one and the combine weights are the current router's probabilities of those
+        experts, so the router still receives gradient.
+    Returns:
+      (weights [N, k] float32, experts [N, k] int32)
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    if replay is None:
+        weights, experts = jax.lax.top_k(probs, top_k)
+    else:
+        experts = replay.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array | fp4.QTensor, group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul over rows sorted by expert (``ragged_dot`` semantics).
+
+    Args:
+      x: [M, K], rows grouped by expert in expert order.
+      w: [E, K, N] array, or an FP4 ``QTensor`` of that logical shape (dequantized here; the
+        Pallas backend reads it packed).
+      group_sizes: [E] int32 rows per expert, summing to M.
+    Returns:
+      [M, N] in x's dtype, accumulated in float32.
+    """
+    if isinstance(w, fp4.QTensor):
+        w = fp4.dequantize(w, x.dtype)
+    out = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+                             preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Order of the (token, slot) pairs grouped by expert, and the group sizes.
+
+    Args:
+      experts: [N, k] int32.
+    Returns:
+      (order [N*k] int32 indices into the flattened pairs, group_sizes [E] int32)
+    """
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, group_sizes

@@ -1,0 +1,255 @@
+"""The Qwen3-MoE family (and Qwen2-MoE's shared expert) as thin Flax NNX modules.
+
+Parameters carry logical axis names (``logical_axes`` metadata; ``sharding.py`` maps them onto a
+mesh). Weights are stored ``[in, out]``; routed experts as ``[E, in, out]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax.model import layers
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.policy import QuantPolicy, SiteContext, site_name
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, logical_axes=axes)
+
+
+def _ones(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=axes)
+
+
+def _zeros(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, dtype):
+        self.weight = _ones((size,), ("norm",), dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        return layers.rms_norm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """GQA with RoPE and (Qwen3) per-head q/k RMSNorm; K and V pass the KV-cache sites."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, d, pd = cfg.hidden_size, cfg.head_dim, jnp.dtype(cfg.param_dtype)
+        self.q_proj = _param(rngs, (h, cfg.num_heads, d), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = _param(rngs, (h, cfg.num_kv_heads, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = _param(rngs, (h, cfg.num_kv_heads, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = _param(rngs, (cfg.num_heads, d, h), ("heads", "head_dim", "embed"), pd)
+        if cfg.attention_bias:
+            self.q_bias = _zeros((cfg.num_heads, d), ("heads", "head_dim"), pd)
+            self.k_bias = _zeros((cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd)
+            self.v_bias = _zeros((cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd)
+        self.cfg = cfg
+
+    def project_kv(self, x, positions, sites: SiteContext, layer: int):
+        """x: [B, T, H] -> (k, v) [B, T, Hkv, D] after norm, RoPE and the KV-cache sites."""
+        cfg, dt = self.cfg, x.dtype
+        k = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bth,hnd->btnd", x, self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            k = self.k_norm(k)
+        k = layers.rope(k, positions, cfg.rope_theta)
+        k = sites.activation(site_name(layer, "kv.k"), k, layer, "kv")
+        v = sites.activation(site_name(layer, "kv.v"), v, layer, "kv")
+        return k, v
+
+    def __call__(self, x, positions, mask, sites: SiteContext, layer: int):
+        """x: [B, T, H]; positions: [B, T]; mask: [B, T, T] bool -> ([B, T, H], (k, v))."""
+        cfg, dt = self.cfg, x.dtype
+        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+        q = layers.rope(q, positions, cfg.rope_theta)
+        k, v = self.project_kv(x, positions, sites, layer)
+        out = layers.attention(q, k, v, mask)
+        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), (k, v)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP (dense layers and the shared expert)."""
+
+    def __init__(self, hidden: int, inner: int, rngs: nnx.Rngs, dtype):
+        self.gate_proj = _param(rngs, (hidden, inner), ("embed", "mlp"), dtype)
+        self.up_proj = _param(rngs, (hidden, inner), ("embed", "mlp"), dtype)
+        self.down_proj = _param(rngs, (inner, hidden), ("mlp", "embed"), dtype)
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))
+        return h @ self.down_proj[...].astype(dt)
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts (sorted dispatch + ``ragged_dot``), optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, i, e, pd = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, jnp.dtype(
+            cfg.param_dtype
+        )
+        self.router = _param(rngs, (h, e), ("embed", "router"), pd)
+        self.gate_proj = _param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd)
+        self.up_proj = _param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd)
+        self.down_proj = _param(rngs, (e, i, h), ("expert", "mlp", "embed"), pd)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, rngs, pd)
+            self.shared_expert_gate = _param(rngs, (h, 1), ("embed", None), pd)
+        self.cfg = cfg
+
+    def __call__(self, x, sites: SiteContext, layer: int, replay: jax.Array | None = None):
+        """x: [B, T, H]; replay: None or [B, T, k] expert ids -> (y [B, T, H], experts [B, T, k])."""
+        cfg, dt = self.cfg, x.dtype
+        b, t, h = x.shape
+        k = cfg.num_experts_per_tok
+        logits = jnp.einsum("bth,he->bte", x, self.router[...].astype(dt),
+                            preferred_element_type=jnp.float32)
+        weights, experts = layers.route(
+            logits.reshape(b * t, -1), k, cfg.norm_topk_prob,
+            None if replay is None else replay.reshape(b * t, k),
+        )
+        order, group_sizes = layers.sort_by_expert(experts, cfg.num_experts)
+        inverse = jnp.argsort(order)
+        x_q = sites.activation(site_name(layer, "experts.gate_up.act"), x, layer)
+        xs = x_q.reshape(b * t, h)[order // k]  # [N*k, H] grouped by expert
+        gate = layers.expert_matmul(xs, sites.expert_weight(self.gate_proj[...]), group_sizes)
+        up = layers.expert_matmul(xs, sites.expert_weight(self.up_proj[...]), group_sizes)
+        act = (jax.nn.silu(gate) * up)[inverse].reshape(b, t, k, -1)  # per (token, slot)
+        act = sites.activation(site_name(layer, "experts.down.act"), act, layer)
+        act = act.reshape(b * t * k, -1)[order]
+        down = layers.expert_matmul(act, sites.expert_weight(self.down_proj[...]), group_sizes)
+        down = down[inverse].reshape(b * t, k, h)
+        y = jnp.sum(down.astype(jnp.float32) * weights[..., None], axis=1).astype(dt)
+        y = y.reshape(b, t, h)
+        if cfg.shared_expert_intermediate_size:
+            gate_s = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(dt))
+            y = y + gate_s * self.shared_expert(x)
+        return y, experts.reshape(b, t, k)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.is_moe = cfg.is_moe_layer(layer)
+        if self.is_moe:
+            self.mlp = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs, pd)
+        self.layer = layer
+
+    def __call__(self, x, positions, mask, sites: SiteContext, replay=None):
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, sites, self.layer)
+        x = x + attn
+        hidden = self.post_attention_layernorm(x)
+        experts = None
+        if self.is_moe:
+            mlp, experts = self.mlp(hidden, sites, self.layer, replay)
+        else:
+            mlp = self.mlp(hidden)
+        return x + mlp, experts, kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """Attributes:
+    logits: [B, T, V] float32.
+    routes: [L_moe, B, T, k] int32 chosen (or replayed) experts per MoE layer, in layer order.
+    records: site name -> ``Guidance`` (and ``QTensor`` under ``<site>.codes`` in diagnostic
+      mode) for the sites the policy records.
+    kv: per layer (k, v) [B, T, Hkv, D] as they entered the cache sites' output.
+    """
+
+    logits: jax.Array
+    routes: jax.Array | None
+    records: dict[str, fp4.Guidance | fp4.QTensor]
+    kv: tuple[tuple[jax.Array, jax.Array], ...]
+
+
+class Transformer(nnx.Module):
+    """Qwen3-MoE decoder-only language model."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        policy: QuantPolicy | None = None,
+        guidance: dict[str, fp4.Guidance] | None = None,
+        replay_routes: jax.Array | None = None,
+    ) -> ModelOutput:
+        """Full forward over a batch of sequences.
+
+        Args:
+          tokens: [B, T] int32.
+          positions: [B, T] int32, default ``arange(T)``.
+          attention_mask: [B, T] bool, False for padding (keys of padding are never attended).
+          policy: quantization policy (default: all sites off, BF16 / compute dtype).
+          guidance: site name -> rollout ``Guidance`` for guided sites (shapes [B, T, ...]).
+          replay_routes: [L_moe, B, T, k] recorded experts to replay (Rollout Routing Replay).
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+        mask = layers.causal_mask(positions, positions, valid)
+        moe_layers = cfg.moe_layers
+        if replay_routes is not None and replay_routes.shape[:3] != (len(moe_layers), b, t):
+            raise ValueError(
+                f"replay_routes has shape {replay_routes.shape}; expected "
+                f"({len(moe_layers)}, {b}, {t}, {cfg.num_experts_per_tok}) for this batch"
+            )
+        sites = SiteContext(policy or QuantPolicy(), cfg.num_layers, guidance)
+        x = self.embed_tokens[...][tokens].astype(cfg.dtype)
+        routes, kvs = [], []
+        for layer in self.layers:
+            replay = None
+            if replay_routes is not None and layer.is_moe:
+                replay = replay_routes[moe_layers.index(layer.layer)]
+            x, experts, kv = layer(x, positions, mask, sites, replay)
+            kvs.append(kv)
+            if experts is not None:
+                routes.append(experts)
+        x = self.norm(x)
+        head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.einsum("bth,hv->btv", x, head.astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+        return ModelOutput(
+            logits=logits,
+            routes=jnp.stack(routes) if routes else None,
+            records=sites.records,
+            kv=tuple(kvs),
+        )
