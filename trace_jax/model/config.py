@@ -56,15 +56,21 @@ class ModelConfig:
     dtype: DType = "float32"
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "decoder_sparse_step")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "decoder_sparse_step",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads "
-                f"{self.num_kv_heads}"
+                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
@@ -72,7 +78,9 @@ class ModelConfig:
             )
         for layer in self.mlp_only_layers:
             if not 0 <= layer < self.num_layers:
-                raise ConfigError(f"mlp_only_layers: layer {layer} is not in 0..{self.num_layers - 1}")
+                raise ConfigError(
+                    f"mlp_only_layers: layer {layer} is not in 0..{self.num_layers - 1}"
+                )
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -97,7 +105,9 @@ class ModelConfig:
         for layer in range(self.num_layers):
             total += attn + 2 * h
             if self.is_moe_layer(layer):
-                total += h * self.num_experts + 3 * self.num_experts * h * self.moe_intermediate_size
+                total += (
+                    h * self.num_experts + 3 * self.num_experts * h * self.moe_intermediate_size
+                )
                 if self.shared_expert_intermediate_size:
                     total += 3 * h * self.shared_expert_intermediate_size + h
             else:
@@ -115,7 +125,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: str | Path | dict[str, Any], **overrides: Any) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` (path, folder or dict) of Qwen3-MoE/Qwen2-MoE."""
+        """From a Hugging Face ``config.json`` (path, folder or dict) of Qwen3-MoE or Qwen2-MoE."""
         if not isinstance(config, dict):
             path = Path(config)
             if path.is_dir():
@@ -130,7 +140,9 @@ class ModelConfig:
             )
         qwen3 = model_type == "qwen3_moe"
         if qwen3 and config.get("attention_bias"):
-            raise ConfigError("attention_bias: Qwen3-MoE checkpoints with attention biases are not supported")
+            raise ConfigError(
+                "attention_bias: Qwen3-MoE checkpoints with attention biases are not supported"
+            )
         if config.get("use_sliding_window"):
             raise ConfigError("use_sliding_window: sliding-window attention is not supported")
         num_heads = config["num_attention_heads"]
@@ -167,20 +179,47 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     # Trains on one GPU in minutes: ~150 M parameters, 32 experts of which 4 are active.
     "small": ModelConfig(
-        vocab_size=32_768, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-        head_dim=64, intermediate_size=1536, num_experts=32, num_experts_per_tok=4,
-        moe_intermediate_size=256, param_dtype="float32", dtype="bfloat16",
+        vocab_size=32_768,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        param_dtype="float32",
+        dtype="bfloat16",
     ),
     "qwen3-30b-a3b": ModelConfig(
-        vocab_size=151_936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
-        head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, rope_theta=1_000_000.0, param_dtype="bfloat16",
+        vocab_size=151_936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        rope_theta=1_000_000.0,
+        param_dtype="bfloat16",
         dtype="bfloat16",
     ),
     "qwen3-235b-a22b": ModelConfig(
-        vocab_size=151_936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
-        head_dim=128, intermediate_size=12288, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=1536, rope_theta=1_000_000.0, param_dtype="bfloat16",
+        vocab_size=151_936,
+        hidden_size=4096,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=12288,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        rope_theta=1_000_000.0,
+        param_dtype="bfloat16",
         dtype="bfloat16",
     ),
 }

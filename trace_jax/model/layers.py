@@ -101,8 +101,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | fp4.QTensor, group_sizes: jax.Arr
     """
     if isinstance(w, fp4.QTensor):
         w = fp4.dequantize(w, x.dtype)
-    out = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
-                             preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
 

@@ -85,14 +85,26 @@ class QuantPolicy:
     @classmethod
     def trace(cls, fmt: str = "nvfp4", guided_layers: GuidedLayers = "last_half", **kw):
         """Training side of TRACE: guided at the guided layers, RTN elsewhere."""
-        return cls(fmt=fmt, expert_weights="rtn", expert_acts="guided", kv="guided",
-                   guided_layers=guided_layers, **kw)
+        return cls(
+            fmt=fmt,
+            expert_weights="rtn",
+            expert_acts="guided",
+            kv="guided",
+            guided_layers=guided_layers,
+            **kw,
+        )
 
     @classmethod
     def rollout(cls, fmt: str = "nvfp4", guided_layers: GuidedLayers = "last_half", **kw):
         """Rollout side: FP4 everywhere, recording guidance at the guided layers."""
-        return cls(fmt=fmt, expert_weights="rtn", expert_acts="record", kv="record",
-                   guided_layers=guided_layers, **kw)
+        return cls(
+            fmt=fmt,
+            expert_weights="rtn",
+            expert_acts="record",
+            kv="record",
+            guided_layers=guided_layers,
+            **kw,
+        )
 
     # ------------------------------------------------------------------ resolution
 
@@ -101,7 +113,11 @@ class QuantPolicy:
             return True
         if self.guided_layers == "none":
             return False
-        first = num_layers // 2 if self.guided_layers == "last_half" else num_layers - self.guided_last_k
+        first = (
+            num_layers // 2
+            if self.guided_layers == "last_half"
+            else num_layers - self.guided_last_k
+        )
         return layer >= first
 
     def site_mode(self, kind: Literal["act", "kv"], layer: int, num_layers: int) -> SiteMode:
@@ -122,8 +138,9 @@ class SiteContext:
     the rollout's ``Guidance`` for guided sites; ``records`` collects record sites' output.
     """
 
-    def __init__(self, policy: QuantPolicy, num_layers: int,
-                 guidance: dict[str, fp4.Guidance] | None = None):
+    def __init__(
+        self, policy: QuantPolicy, num_layers: int, guidance: dict[str, fp4.Guidance] | None = None
+    ):
         self.policy = policy
         self.num_layers = num_layers
         self.guidance = guidance or {}
@@ -144,16 +161,21 @@ class SiteContext:
             self.records[name] = fp4.rollout_guidance(qt)
             if p.record_codes:
                 self.records[name + ".codes"] = qt
-        return fp4.fake_quant(x, p.fmt, global_scale=p.act_global_scale,
-                              mask_outside=p.mask_outside)
+        return fp4.fake_quant(
+            x, p.fmt, global_scale=p.act_global_scale, mask_outside=p.mask_outside
+        )
 
     def expert_weight(self, w: jax.Array, contraction_axis: int = 1) -> jax.Array:
-        """Routed-expert weights [E, K, N] (contraction ``K`` at axis 1), one global scale per expert."""
+        """Expert weights [E, K, N], contraction ``K`` at axis 1; one global scale per expert."""
         p = self.policy
         if p.expert_weights == "off":
             return w
         per_expert = lambda we: fp4.fake_quant(  # noqa: E731
-            we, p.fmt, axis=contraction_axis - 1, scale_rule=p.weight_scale_rule,
-            block_2d=p.weight_block_2d, mask_outside=p.mask_outside,
+            we,
+            p.fmt,
+            axis=contraction_axis - 1,
+            scale_rule=p.weight_scale_rule,
+            block_2d=p.weight_block_2d,
+            mask_outside=p.mask_outside,
         )
         return jax.vmap(per_expert)(w)

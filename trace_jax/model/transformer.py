@@ -104,8 +104,11 @@ class MoE(nnx.Module):
     """Routed SwiGLU experts (sorted dispatch + ``ragged_dot``), optional shared expert."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        h, i, e, pd = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, jnp.dtype(
-            cfg.param_dtype
+        h, i, e, pd = (
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            jnp.dtype(cfg.param_dtype),
         )
         self.router = _param(rngs, (h, e), ("embed", "router"), pd)
         self.gate_proj = _param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd)
@@ -117,14 +120,17 @@ class MoE(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, sites: SiteContext, layer: int, replay: jax.Array | None = None):
-        """x: [B, T, H]; replay: None or [B, T, k] expert ids -> (y [B, T, H], experts [B, T, k])."""
+        """x: [B, T, H]; replay: None or [B, T, k] expert ids -> (y [B, T, H], experts [B, T, k])"""
         cfg, dt = self.cfg, x.dtype
         b, t, h = x.shape
         k = cfg.num_experts_per_tok
-        logits = jnp.einsum("bth,he->bte", x, self.router[...].astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bth,he->bte", x, self.router[...].astype(dt), preferred_element_type=jnp.float32
+        )
         weights, experts = layers.route(
-            logits.reshape(b * t, -1), k, cfg.norm_topk_prob,
+            logits.reshape(b * t, -1),
+            k,
+            cfg.norm_topk_prob,
             None if replay is None else replay.reshape(b * t, k),
         )
         order, group_sizes = layers.sort_by_expert(experts, cfg.num_experts)
@@ -245,8 +251,9 @@ class Transformer(nnx.Module):
                 routes.append(experts)
         x = self.norm(x)
         head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("bth,hv->btv", x, head.astype(x.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bth,hv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32
+        )
         return ModelOutput(
             logits=logits,
             routes=jnp.stack(routes) if routes else None,

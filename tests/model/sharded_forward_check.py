@@ -1,0 +1,43 @@
+"""Run with 8 fake CPU devices: the sharded forward equals the single-device one.
+
+Executed by ``test_sharding.py`` in a fresh process, because the device count is fixed when JAX
+starts (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    cfg = ModelConfig.preset("tiny")
+    tokens = jax.random.randint(jax.random.key(0), (4, 16), 0, cfg.vocab_size)
+
+    @nnx.jit
+    def forward(model, tokens):
+        out = model(tokens, policy=QuantPolicy.qat())
+        return out.logits, out.routes
+
+    single = Transformer(cfg, nnx.Rngs(0))
+    want_logits, want_routes = forward(single, tokens)
+
+    mesh = make_mesh(data=2, expert=4)
+    sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
+    experts = sharded.layers[0].mlp.gate_proj[...]
+    assert len(experts.sharding.device_set) == 8
+    assert experts.addressable_shards[0].data.shape[0] == cfg.num_experts // 4
+    with jax.set_mesh(mesh):
+        logits, routes = forward(sharded, jax.device_put(tokens, batch_sharding(mesh)))
+    assert logits.sharding.spec[0] == "data", logits.sharding
+    np.testing.assert_array_equal(np.asarray(routes), np.asarray(want_routes))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+    print("sharded forward OK", float(jnp.abs(logits - want_logits).max()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The MoE transformer: dispatch vs a dense reference, causality, padding, routing replay, sites."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer, layers
+from trace_jax.model.policy import SiteContext
+
+CFG = ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG, nnx.Rngs(0))
+
+
+def tokens(b=2, t=12, seed=0):
+    return jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
+
+
+def test_tiny_preset_is_small_and_param_count_is_exact(model):
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == CFG.num_params() < 5_000_000
+    assert 100e6 <= ModelConfig.preset("small").num_params() <= 300e6
+    assert abs(ModelConfig.preset("qwen3-30b-a3b").num_params() / 30.5e9 - 1) < 0.01
+    assert abs(ModelConfig.preset("qwen3-235b-a22b").num_params() / 235.1e9 - 1) < 0.01
+
+
+def test_moe_dispatch_equals_a_dense_per_token_reference(model):
+    moe = model.layers[1].mlp
+    x = jax.random.normal(jax.random.key(1), (3, 5, CFG.hidden_size))
+    y, experts = moe(x, SiteContext(QuantPolicy(), CFG.num_layers), layer=1)
+    logits = x.reshape(-1, CFG.hidden_size) @ moe.router[...]
+    probs = jax.nn.softmax(logits, -1)
+    w, e = jax.lax.top_k(probs, CFG.num_experts_per_tok)
+    w = w / w.sum(-1, keepdims=True)
+    xf = x.reshape(-1, 1, CFG.hidden_size)
+    g = jnp.einsum(
+        "nkh,nkhi->nki", jnp.broadcast_to(xf, (xf.shape[0], 2, xf.shape[2])), moe.gate_proj[...][e]
+    )
+    u = jnp.einsum("nh,nkhi->nki", xf[:, 0], moe.up_proj[...][e])
+    d = jnp.einsum("nki,nkih->nkh", jax.nn.silu(g) * u, moe.down_proj[...][e])
+    want = jnp.sum(d * w[..., None], 1).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(experts).reshape(-1, 2), np.asarray(e))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_logits_are_causal(model):
+    tok = tokens()
+    a = model(tok).logits
+    b = model(tok.at[:, 8:].set((tok[:, 8:] + 1) % CFG.vocab_size)).logits
+    np.testing.assert_array_equal(np.asarray(a[:, :8]), np.asarray(b[:, :8]))
+    assert not np.allclose(np.asarray(a[:, 8:]), np.asarray(b[:, 8:]))
+
+
+def test_left_padding_with_mask_and_positions_matches_the_unpadded_sequence(model):
+    tok = tokens(1, 9)
+    ref = model(tok).logits
+    pad = 3
+    padded = jnp.concatenate([jnp.zeros((1, pad), tok.dtype), tok], axis=1)
+    mask = jnp.arange(9 + pad)[None] >= pad
+    pos = jnp.maximum(jnp.arange(9 + pad) - pad, 0)[None]
+    out = model(padded, attention_mask=mask, positions=pos).logits[:, pad:]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_replaying_recorded_routes_reproduces_the_forward_and_moves_gradient_to_the_router(model):
+    tok = tokens()
+    out = model(tok)
+    assert out.routes.shape == (len(CFG.moe_layers), 2, 12, CFG.num_experts_per_tok)
+    again = model(tok, replay_routes=out.routes)
+    np.testing.assert_array_equal(np.asarray(again.logits), np.asarray(out.logits))
+    # Replaying other experts changes the expert set but the router still gets gradient.
+    other = (out.routes + 1) % CFG.num_experts
+    replayed = model(tok, replay_routes=other)
+    np.testing.assert_array_equal(np.asarray(replayed.routes), np.asarray(other))
+
+    def loss(m):
+        return jnp.mean(m(tok, replay_routes=other).logits ** 2)
+
+    grads = nnx.grad(loss)(model)
+    router_grad = grads.layers[0].mlp.router[...]
+    assert float(jnp.abs(router_grad).sum()) > 0
+
+
+def test_replay_routes_of_the_wrong_shape_is_refused(model):
+    with pytest.raises(ValueError, match="replay_routes has shape"):
+        model(tokens(), replay_routes=jnp.zeros((1, 2, 12, 2), jnp.int32))
+
+
+def test_trace_with_the_rollout_inputs_reproduces_the_rollout_exactly(model):
+    tok = tokens()
+    rollout = model(tok, policy=QuantPolicy.rollout(guided_layers="all"))
+    assert len(rollout.records) == 4 * CFG.num_layers
+    trained = model(
+        tok,
+        policy=QuantPolicy.trace(guided_layers="all"),
+        guidance=rollout.records,
+        replay_routes=rollout.routes,
+    )
+    np.testing.assert_array_equal(np.asarray(trained.logits), np.asarray(rollout.logits))
+    bf16 = model(tok)
+    assert not np.allclose(np.asarray(bf16.logits), np.asarray(rollout.logits))
+
+
+def test_guidance_shapes_follow_the_token_layout(model):
+    rollout = model(tokens(2, 12), policy=QuantPolicy.rollout())
+    g = rollout.records
+    assert set(g) == {
+        f"layers.{i}.{s}"
+        for i in (2, 3)
+        for s in ("experts.gate_up.act", "experts.down.act", "kv.k", "kv.v")
+    }
+    assert g["layers.3.experts.gate_up.act"].shape == (2, 12, CFG.hidden_size)
+    assert g["layers.3.experts.down.act"].shape == (2, 12, 2, CFG.moe_intermediate_size)
+    assert g["layers.3.kv.k"].shape == (2, 12, CFG.num_kv_heads, CFG.head_dim)
+
+
+def test_missing_guidance_is_an_error(model):
+    with pytest.raises(KeyError, match=r"layers\.2\.kv\.k is guided but no guidance"):
+        model(tokens(), policy=QuantPolicy.trace())
+
+
+def test_policy_resolution():
+    p = QuantPolicy.trace()
+    assert [p.site_mode("act", layer, 8) for layer in (0, 3, 4, 7)] == [
+        "rtn",
+        "rtn",
+        "guided",
+        "guided",
+    ]
+    q = QuantPolicy.trace(guided_layers="last_k", guided_last_k=2)
+    assert [q.site_mode("kv", layer, 8) for layer in (5, 6)] == ["rtn", "guided"]
+    assert QuantPolicy.rollout(guided_layers="none").site_mode("kv", 7, 8) == "rtn"
+    assert QuantPolicy.bf16().site_mode("act", 7, 8) == "off"
+
+
+def test_qat_weights_are_fake_quantized_per_expert_along_the_contraction_axis(model):
+    from trace_jax import fp4
+
+    w = model.layers[0].mlp.gate_proj[...]  # [E, H, I]
+    wq = SiteContext(QuantPolicy.qat(), CFG.num_layers).expert_weight(w)
+    want = fp4.dequantize(fp4.quantize(w[3], "nvfp4", axis=0))
+    np.testing.assert_array_equal(np.asarray(wq[3]), np.asarray(want))
+
+
+def test_a_dense_layer_config_and_a_shared_expert():
+    cfg = CFG.replace(mlp_only_layers=(0,), shared_expert_intermediate_size=48)
+    m = Transformer(cfg, nnx.Rngs(1))
+    assert cfg.moe_layers == (1, 2, 3) and not m.layers[0].is_moe
+    out = m(tokens())
+    assert out.routes.shape[0] == 3
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n == cfg.num_params()
+
+
+def test_route_renormalisation():
+    logits = jax.random.normal(jax.random.key(2), (5, 8))
+    w, e = layers.route(logits, 3, norm_topk_prob=True)
+    np.testing.assert_allclose(np.asarray(w.sum(-1)), 1.0, rtol=1e-6)
+    w2, _ = layers.route(logits, 3, norm_topk_prob=False)
+    p = jax.nn.softmax(logits, -1)
+    np.testing.assert_allclose(np.asarray(w2), np.asarray(jnp.take_along_axis(p, e, -1)))
