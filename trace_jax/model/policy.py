@@ -148,22 +148,38 @@ class SiteContext:
 
     def activation(self, name: str, x: jax.Array, layer: int, kind: Literal["act", "kv"] = "act"):
         """Apply the site ``name`` to ``x`` ([..., K], quantized along the last axis)."""
+        return self.quantized(name, x, layer, kind, want_codes=False)[0]
+
+    def quantized(
+        self, name: str, x: jax.Array, layer: int, kind: Literal["act", "kv"] = "act",
+        want_codes: bool = True,
+    ) -> tuple[jax.Array, fp4.QTensor | None]:
+        """Apply the site and also return the ``QTensor`` whose dequantization is the value.
+
+        Returns:
+          (value in x's dtype, the site's QTensor or None when the site is off or
+          ``want_codes`` is False)
+        """
         p = self.policy
         mode = p.site_mode(kind, layer, self.num_layers)
         if mode == "off":
-            return x
+            return x, None
         if mode == "guided":
             if name not in self.guidance:
                 raise KeyError(f"site {name} is guided but no guidance was given for it")
-            return fp4.guided_fake_quant(x, self.guidance[name], mask_outside=p.mask_outside)
-        if mode == "record":
+            g = self.guidance[name]
+            value = fp4.guided_fake_quant(x, g, mask_outside=p.mask_outside)
+            return value, fp4.guided_quantize(jax.lax.stop_gradient(x), g) if want_codes else None
+        qt = None
+        if mode == "record" or want_codes:
             qt = fp4.quantize(jax.lax.stop_gradient(x), p.fmt, global_scale=p.act_global_scale)
+        if mode == "record":
             self.records[name] = fp4.rollout_guidance(qt)
             if p.record_codes:
                 self.records[name + ".codes"] = qt
-        return fp4.fake_quant(
-            x, p.fmt, global_scale=p.act_global_scale, mask_outside=p.mask_outside
-        )
+        value = fp4.fake_quant(x, p.fmt, global_scale=p.act_global_scale,
+                               mask_outside=p.mask_outside)
+        return value, qt if want_codes else None
 
     def expert_weight(self, w: jax.Array, contraction_axis: int = 1) -> jax.Array:
         """Expert weights [E, K, N], contraction ``K`` at axis 1; one global scale per expert."""

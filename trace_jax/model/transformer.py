@@ -58,7 +58,8 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def project_kv(self, x, positions, sites: SiteContext, layer: int):
-        """x: [B, T, H] -> (k, v) [B, T, Hkv, D] after norm, RoPE and the KV-cache sites."""
+        """x: [B, T, H] -> ((k, v) [B, T, Hkv, D] after norm, RoPE and the KV-cache sites,
+        (k_codes, v_codes) the sites' QTensors or None where a site is off)."""
         cfg, dt = self.cfg, x.dtype
         k = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dt))
         v = jnp.einsum("bth,hnd->btnd", x, self.v_proj[...].astype(dt))
@@ -68,12 +69,22 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             k = self.k_norm(k)
         k = layers.rope(k, positions, cfg.rope_theta)
-        k = sites.activation(site_name(layer, "kv.k"), k, layer, "kv")
-        v = sites.activation(site_name(layer, "kv.v"), v, layer, "kv")
-        return k, v
+        k, k_codes = sites.quantized(site_name(layer, "kv.k"), k, layer, "kv")
+        v, v_codes = sites.quantized(site_name(layer, "kv.v"), v, layer, "kv")
+        return (k, v), (k_codes, v_codes)
 
-    def __call__(self, x, positions, mask, sites: SiteContext, layer: int):
-        """x: [B, T, H]; positions: [B, T]; mask: [B, T, T] bool -> ([B, T, H], (k, v))."""
+    def __call__(self, x, positions, mask, sites: SiteContext, layer: int, kv_access=None):
+        """Self-attention over the chunk, or over a KV cache through ``kv_access``.
+
+        Args:
+          x: [B, T, H]; positions: [B, T] int32.
+          mask: [B, T, T] bool (used without a cache).
+          kv_access: None, or ``fn(layer, (k, v), (k_codes, v_codes), positions) ->
+            (k_all, v_all, mask [B, T, S], new_state)`` that stores the chunk's K/V and returns
+            everything to attend over (see ``trace_jax.rollout``).
+        Returns:
+          ([B, T, H], the chunk's (k, v) without a cache, else the hook's new state)
+        """
         cfg, dt = self.cfg, x.dtype
         q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
         if cfg.attention_bias:
@@ -81,9 +92,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = self.q_norm(q)
         q = layers.rope(q, positions, cfg.rope_theta)
-        k, v = self.project_kv(x, positions, sites, layer)
-        out = layers.attention(q, k, v, mask)
-        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), (k, v)
+        (k, v), codes = self.project_kv(x, positions, sites, layer)
+        state = (k, v)
+        if kv_access is not None:
+            k, v, mask, state = kv_access(layer, (k, v), codes, positions)
+        out = layers.attention(q, k.astype(dt), v.astype(dt), mask)
+        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), state
 
 
 class MLP(nnx.Module):
@@ -165,8 +179,10 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs, pd)
         self.layer = layer
 
-    def __call__(self, x, positions, mask, sites: SiteContext, replay=None):
-        attn, kv = self.self_attn(self.input_layernorm(x), positions, mask, sites, self.layer)
+    def __call__(self, x, positions, mask, sites: SiteContext, replay=None, kv_access=None):
+        attn, kv = self.self_attn(
+            self.input_layernorm(x), positions, mask, sites, self.layer, kv_access
+        )
         x = x + attn
         hidden = self.post_attention_layernorm(x)
         experts = None
@@ -185,7 +201,8 @@ class ModelOutput:
     routes: [L_moe, B, T, k] int32 chosen (or replayed) experts per MoE layer, in layer order.
     records: site name -> ``Guidance`` (and ``QTensor`` under ``<site>.codes`` in diagnostic
       mode) for the sites the policy records.
-    kv: per layer (k, v) [B, T, Hkv, D] as they entered the cache sites' output.
+    kv: per layer, the (k, v) [B, T, Hkv, D] the KV sites produced, or, with ``kv_access``,
+      the new cache state the hook returned.
     """
 
     logits: jax.Array
@@ -215,6 +232,7 @@ class Transformer(nnx.Module):
         policy: QuantPolicy | None = None,
         guidance: dict[str, fp4.Guidance] | None = None,
         replay_routes: jax.Array | None = None,
+        kv_access=None,
     ) -> ModelOutput:
         """Full forward over a batch of sequences.
 
@@ -225,6 +243,8 @@ class Transformer(nnx.Module):
           policy: quantization policy (default: all sites off, BF16 / compute dtype).
           guidance: site name -> rollout ``Guidance`` for guided sites (shapes [B, T, ...]).
           replay_routes: [L_moe, B, T, k] recorded experts to replay (Rollout Routing Replay).
+          kv_access: attend over a KV cache instead of the chunk alone (see ``Attention``); then
+            ``positions`` must be given.
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -245,7 +265,7 @@ class Transformer(nnx.Module):
             replay = None
             if replay_routes is not None and layer.is_moe:
                 replay = replay_routes[moe_layers.index(layer.layer)]
-            x, experts, kv = layer(x, positions, mask, sites, replay)
+            x, experts, kv = layer(x, positions, mask, sites, replay, kv_access)
             kvs.append(kv)
             if experts is not None:
                 routes.append(experts)
