@@ -293,7 +293,13 @@ def unpacked_codes(qt: QTensor) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
-    """``QTensor`` -> array of its logical shape in ``dtype`` (computed in float32)."""
+    """``QTensor`` -> array of its logical shape in ``dtype`` (computed in float32).
+
+    A QTensor made by ``jax.vmap(quantize)`` (its arrays carry leading batch axes beyond the
+    stored layout, e.g. one global scale per expert) dequantizes to ``[*batch, *shape]``.
+    """
+    if qt.codes.ndim > len(qt.shape):
+        return jax.vmap(functools.partial(dequantize, dtype=dtype))(qt)
     values = decode_blocks(
         unpacked_codes(qt), block_scale_values(qt.block_scales, qt.fmt), qt.global_scale
     )

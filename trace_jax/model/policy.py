@@ -184,7 +184,7 @@ class SiteContext:
     def expert_weight(self, w: jax.Array, contraction_axis: int = 1) -> jax.Array:
         """Expert weights [E, K, N], contraction ``K`` at axis 1; one global scale per expert."""
         p = self.policy
-        if p.expert_weights == "off":
+        if p.expert_weights == "off" or isinstance(w, fp4.QTensor):  # QTensor: already packed
             return w
         per_expert = lambda we: fp4.fake_quant(  # noqa: E731
             we,

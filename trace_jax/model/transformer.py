@@ -151,12 +151,17 @@ class MoE(nnx.Module):
         inverse = jnp.argsort(order)
         x_q = sites.activation(site_name(layer, "experts.gate_up.act"), x, layer)
         xs = x_q.reshape(b * t, h)[order // k]  # [N*k, H] grouped by expert
-        gate = layers.expert_matmul(xs, sites.expert_weight(self.gate_proj[...]), group_sizes)
-        up = layers.expert_matmul(xs, sites.expert_weight(self.up_proj[...]), group_sizes)
+        # Arrays, or packed FP4 QTensors in the rollout engine.
+        w_gate, w_up, w_down = (
+            sites.expert_weight(p.get_value())
+            for p in (self.gate_proj, self.up_proj, self.down_proj)
+        )
+        gate = layers.expert_matmul(xs, w_gate, group_sizes)
+        up = layers.expert_matmul(xs, w_up, group_sizes)
         act = (jax.nn.silu(gate) * up)[inverse].reshape(b, t, k, -1)  # per (token, slot)
         act = sites.activation(site_name(layer, "experts.down.act"), act, layer)
         act = act.reshape(b * t * k, -1)[order]
-        down = layers.expert_matmul(act, sites.expert_weight(self.down_proj[...]), group_sizes)
+        down = layers.expert_matmul(act, w_down, group_sizes)
         down = down[inverse].reshape(b * t, k, h)
         y = jnp.sum(down.astype(jnp.float32) * weights[..., None], axis=1).astype(dt)
         y = y.reshape(b, t, h)

@@ -1,0 +1,339 @@
+"""Rollout engine: prefill + jitted decode over a preallocated KV cache, capturing log-probs,
+expert routes and TRACE guidance per token.
+
+The state of a batch of sequences is explicit (``RolloutState``) and every step is a pure
+function of (parameters, state). Tokens enter through ``append`` (prompts, or environment tokens
+in multi-turn tasks) and ``decode`` (a ``lax.while_loop`` that samples, appends the sampled token
+and stops per sequence at a stop token or its budget). Records are kept per slot: slot ``s`` of
+sequence ``b`` holds its token, whether the policy generated it, the log-prob it was sampled
+with, its experts per MoE layer and, at guided sites, its guidance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax.config import ConfigError
+from trace_jax.model import QuantPolicy, Transformer, layers
+from trace_jax.rollout import kv_cache
+from trace_jax.rollout.sampling import SamplingConfig, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Attributes:
+    max_len: slots per sequence (prompt, generated and environment tokens together).
+    max_new_tokens: policy tokens per ``decode`` call and sequence.
+    kv_cache: cache storage: "bf16", "fp8", "nvfp4" or "mxfp4" (FP4 needs the policy's KV sites
+      quantized in that format).
+    sampling: temperature / top-k / top-p.
+    stop_tokens: a sequence's decode ends after it samples one of these.
+    pad_token: written in slots past a sequence's end.
+    fp4_weights: quantize routed-expert weights once in ``update_params`` and keep them packed
+      (the policy's expert weight format); else they are used as given.
+    backend: "xla" (reference) or "pallas" (GPU kernels where available).
+    """
+
+    max_len: int = 256
+    max_new_tokens: int = 64
+    kv_cache: kv_cache.CacheFormat = "bf16"
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    stop_tokens: tuple[int, ...] = ()
+    pad_token: int = 0
+    fp4_weights: bool = True
+    backend: Literal["xla", "pallas"] = "xla"
+
+    def __post_init__(self):
+        if self.max_len <= 0 or self.max_new_tokens <= 0:
+            raise ConfigError("max_len and max_new_tokens must be positive")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RolloutState:
+    """A batch of sequences being generated. S = max_len slots.
+
+    Attributes:
+      cache: the KV cache; ``cache.lengths`` [B] is each sequence's length.
+      tokens: [B, S] int32.
+      generated: [B, S] bool, True for tokens the policy sampled (loss-bearing).
+      logprobs: [B, S] float32, the sampled token's log-prob (0 elsewhere).
+      routes: [B, S, L_moe, k] int32 experts per token and MoE layer.
+      guidance: site name -> ``Guidance`` with arrays [B, S, ...] at the guided sites.
+      last_logits: [B, V] float32, the logits after each sequence's last token.
+      done: [B] bool, the sequence's current decode has ended.
+    """
+
+    cache: kv_cache.KVCache
+    tokens: jax.Array
+    generated: jax.Array
+    logprobs: jax.Array
+    routes: jax.Array
+    guidance: dict[str, fp4.Guidance]
+    last_logits: jax.Array
+    done: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.cache.lengths
+
+
+def _record_buffer(g: fp4.Guidance, max_len: int) -> fp4.Guidance:
+    """A zeroed [B, S, ...] buffer for a chunk's [B, T, ...] guidance record."""
+
+    def grow(a):
+        return jnp.zeros((a.shape[0], max_len, *a.shape[2:]), a.dtype)
+
+    shape = (g.shape[0], max_len, *g.shape[2:])
+    return dataclasses.replace(
+        g,
+        mantissa_bits=grow(g.mantissa_bits),
+        block_scales=grow(g.block_scales),
+        global_scale=grow(g.global_scale),
+        shape=shape,
+    )
+
+
+def _write_record(buf: fp4.Guidance, g: fp4.Guidance, lengths, valid) -> fp4.Guidance:
+    put = functools.partial(kv_cache.scatter_rows, lengths=lengths, valid=valid)
+    return dataclasses.replace(
+        buf,
+        mantissa_bits=put(buf.mantissa_bits, g.mantissa_bits),
+        block_scales=put(buf.block_scales, g.block_scales),
+        global_scale=put(buf.global_scale, g.global_scale),
+    )
+
+
+def quantize_expert_weights(model: Transformer, policy: QuantPolicy) -> Transformer:
+    """Replace every routed-expert weight [E, K, N] by its packed per-expert FP4 ``QTensor``.
+
+    The codes are those of the training side's ``SiteContext.expert_weight`` fake quant, so both
+    paths use the same weights. Works in place on ``model`` and returns it.
+    """
+
+    def pack(w):
+        return jax.vmap(
+            lambda we: fp4.quantize(
+                we,
+                policy.fmt,
+                axis=0,
+                scale_rule=policy.weight_scale_rule,
+                block_2d=policy.weight_block_2d,
+            )
+        )(w)
+
+    for layer in model.layers:
+        if layer.is_moe:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                param = getattr(layer.mlp, name)
+                if not isinstance(param.get_value(), fp4.QTensor):
+                    param.set_value(pack(param.get_value()))
+    return model
+
+
+class RolloutEngine:
+    """Generates with FP4 (or BF16) weights, activations and KV cache; a small interface:
+    ``update_params``, ``start``, ``append``, ``decode``, ``generate``."""
+
+    def __init__(self, model: Transformer, policy: QuantPolicy, cfg: RolloutConfig):
+        if cfg.kv_cache in ("nvfp4", "mxfp4") and (
+            policy.kv not in ("rtn", "record") or policy.fmt != cfg.kv_cache
+        ):
+            raise ConfigError(
+                f"kv_cache: {cfg.kv_cache} needs the policy's KV sites quantized in {cfg.kv_cache} "
+                f"(policy.kv='rtn' or 'record', policy.fmt='{cfg.kv_cache}'); got "
+                f"kv={policy.kv!r}, fmt={policy.fmt!r}"
+            )
+        self.cfg = cfg
+        self.policy = policy
+        self.model_cfg = model.cfg
+        self.version = -1
+        self.update_params(model)
+
+    # ------------------------------------------------------------------ parameters
+
+    def update_params(self, model: Transformer, version: int | None = None) -> None:
+        """Take new policy weights (copied; FP4 expert weights are quantized here, once)."""
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        if self.cfg.fp4_weights and self.policy.expert_weights == "rtn":
+            model = quantize_expert_weights(model, self.policy)
+        self.graphdef, self.state = nnx.split(model)
+        self.version = self.version + 1 if version is None else version
+
+    # ------------------------------------------------------------------ state
+
+    def start(self, batch: int) -> RolloutState:
+        """An empty state for ``batch`` sequences (records sized on the first ``append``)."""
+        m, c = self.model_cfg, self.cfg
+        dtype = jnp.dtype(m.dtype)
+        cache = kv_cache.init_cache(
+            c.kv_cache, m.num_layers, batch, c.max_len, m.num_kv_heads, m.head_dim, dtype
+        )
+        s = c.max_len
+        return RolloutState(
+            cache=cache,
+            tokens=jnp.full((batch, s), c.pad_token, jnp.int32),
+            generated=jnp.zeros((batch, s), bool),
+            logprobs=jnp.zeros((batch, s), jnp.float32),
+            routes=jnp.zeros((batch, s, len(m.moe_layers), m.num_experts_per_tok), jnp.int32),
+            guidance=self._empty_guidance(batch),
+            last_logits=jnp.zeros((batch, m.vocab_size), jnp.float32),
+            done=jnp.zeros((batch,), bool),
+        )
+
+    def _empty_guidance(self, batch: int) -> dict[str, fp4.Guidance]:
+        """Zeroed [B, S, ...] buffers for every site the policy records (shapes by tracing)."""
+
+        def records(state):
+            model = nnx.merge(self.graphdef, state)
+            cache = kv_cache.init_cache(
+                self.cfg.kv_cache,
+                self.model_cfg.num_layers,
+                batch,
+                1,
+                self.model_cfg.num_kv_heads,
+                self.model_cfg.head_dim,
+            )
+            tokens = jnp.zeros((batch, 1), jnp.int32)
+            valid = jnp.ones((batch, 1), bool)
+            return self._forward(model, cache, tokens, valid)[1]
+
+        shapes = jax.eval_shape(records, self.state)
+        return {
+            name: _record_buffer(
+                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g), self.cfg.max_len
+            )
+            for name, g in shapes.items()
+            if isinstance(g, fp4.Guidance)
+        }
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward(self, model, cache: kv_cache.KVCache, tokens, valid):
+        """Run a chunk [B, T] through the model over the cache.
+
+        Returns (logits [B, T, V], records, routes [L_moe, B, T, k] or None, new cache).
+        """
+        lengths = cache.lengths
+        t = tokens.shape[1]
+        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        new_lengths = lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
+        s = cache.max_len
+        slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tokens.shape[0], s))
+        kv_valid = slots < new_lengths[:, None]
+        fmt, dtype = cache.fmt, jnp.dtype(self.model_cfg.dtype)
+
+        def kv_access(layer, kv, codes, positions):
+            lc = cache.layers[layer]
+            stored = [
+                kv_cache.write(buf, kv_cache.to_storage(fmt, x, q), lengths, valid)
+                for buf, x, q in zip((lc.k, lc.v), kv, codes, strict=True)
+            ]
+            k_all, v_all = (kv_cache.read(x, dtype) for x in stored)
+            mask = layers.causal_mask(positions, slots, kv_valid)
+            return k_all, v_all, mask, kv_cache.LayerCache(*stored)
+
+        out = model(tokens, positions=positions, policy=self.policy, kv_access=kv_access)
+        new_cache = kv_cache.KVCache(layers=out.kv, lengths=new_lengths, fmt=fmt)
+        return out.logits, out.records, out.routes, new_cache
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+    def _append(self, state_params, state: RolloutState, tokens, valid, generated, logprobs):
+        model = nnx.merge(self.graphdef, state_params)
+        lengths = state.cache.lengths
+        logits, records, routes, cache = self._forward(model, state.cache, tokens, valid)
+        put = functools.partial(kv_cache.scatter_rows, lengths=lengths, valid=valid)
+        guidance = {
+            name: _write_record(buf, records[name], lengths, valid)
+            for name, buf in state.guidance.items()
+        }
+        new_routes = state.routes
+        if routes is not None:
+            new_routes = put(state.routes, jnp.moveaxis(routes, 0, 2))
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        any_valid = jnp.any(valid, axis=1)
+        return dataclasses.replace(
+            state,
+            cache=cache,
+            tokens=put(state.tokens, tokens),
+            generated=put(state.generated, jnp.broadcast_to(generated, valid.shape)),
+            logprobs=put(state.logprobs, logprobs),
+            routes=new_routes,
+            guidance=guidance,
+            last_logits=jnp.where(any_valid[:, None], last_logits, state.last_logits),
+        )
+
+    def append(self, state: RolloutState, tokens: jax.Array, valid: jax.Array | None = None):
+        """Feed tokens that the policy did not generate (prompts, environment observations).
+
+        Args:
+          tokens: [B, T] int32, right-padded per sequence.
+          valid: [B, T] bool (default all True); each row a prefix of True.
+        Returns:
+          the new state (the input state's buffers are donated).
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
+        room = self.cfg.max_len - jax.device_get(state.lengths + valid.sum(1))
+        if (room < 0).any():
+            raise ValueError(
+                f"appending {tokens.shape[1]} tokens overflows max_len={self.cfg.max_len} for "
+                f"sequences {[int(i) for i in jnp.nonzero(room < 0)[0]]}"
+            )
+        zeros = jnp.zeros(tokens.shape, jnp.float32)
+        state = self._append(self.state, state, tokens, valid, False, zeros)
+        return dataclasses.replace(state, done=jnp.zeros_like(state.done))
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+    def _decode(self, state_params, state: RolloutState, key):
+        cfg = self.cfg
+        stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+        budget_end = jnp.minimum(state.lengths + cfg.max_new_tokens, cfg.max_len)
+        done0 = state.lengths >= budget_end
+
+        def cond(carry):
+            step, st, _ = carry
+            return (step < cfg.max_new_tokens) & ~jnp.all(st.done)
+
+        def body(carry):
+            step, st, key = carry
+            key, sub = jax.random.split(key)
+            token, logprob = sample(st.last_logits, sub, cfg.sampling)
+            live = ~st.done
+            token = jnp.where(live, token, cfg.pad_token)
+            st = self._append(
+                state_params, st, token[:, None], live[:, None], True, logprob[:, None]
+            )
+            ended = jnp.isin(token, stop) | (st.lengths >= budget_end)
+            return step + 1, dataclasses.replace(st, done=st.done | (live & ended)), key
+
+        state = dataclasses.replace(state, done=done0)
+        _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, key))
+        return state
+
+    def decode(self, state: RolloutState, key: jax.Array) -> RolloutState:
+        """Sample up to ``max_new_tokens`` per sequence (jitted loop; the state is donated)."""
+        return self._decode(self.state, state, key)
+
+    def generate(self, prompts: list[list[int]], key: jax.Array) -> RolloutState:
+        """Prefill ``prompts`` (token id lists of any lengths) and decode."""
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        longest = max(len(p) for p in prompts)
+        if longest == 0 or longest >= self.cfg.max_len:
+            raise ValueError(f"prompt lengths must be in 1..{self.cfg.max_len - 1}, got {longest}")
+        tokens = jnp.asarray(
+            [p + [self.cfg.pad_token] * (longest - len(p)) for p in prompts], jnp.int32
+        )
+        valid = jnp.asarray([[i < len(p) for i in range(longest)] for p in prompts], bool)
+        state = self.append(self.start(len(prompts)), tokens, valid)
+        return self.decode(state, key)

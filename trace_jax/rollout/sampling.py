@@ -1,0 +1,71 @@
+"""Token sampling with temperature, top-k and top-p, returning the log-prob of the sampled token
+under the exact (tempered, truncated) distribution it was drawn from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Attributes:
+    temperature: 0 means greedy (argmax); its log-prob is then that of the untempered softmax.
+    top_k: keep the k most likely tokens (0: all).
+    top_p: keep the smallest set of most likely tokens whose probability reaches p (1: all).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k: must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+def sampling_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """The logits of the distribution ``sample`` draws from ([..., V] float32, -inf = excluded)."""
+    logits = logits.astype(jnp.float32)
+    if cfg.temperature == 0:
+        return logits
+    logits = logits / cfg.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if cfg.top_k:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, neg)
+    if cfg.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # keep while the mass before < p
+        keep_sorted = mass_before < cfg.top_p
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        logits = jnp.where(keep, logits, neg)
+    return logits
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig):
+    """Draw one token per row.
+
+    Args:
+      logits: [B, V] float32.
+      key: PRNG key.
+    Returns:
+      (tokens [B] int32, logprobs [B] float32 of those tokens under the sampled distribution)
+    """
+    dist = sampling_logits(logits, cfg)
+    if cfg.temperature == 0:
+        tokens = jnp.argmax(dist, axis=-1)
+    else:
+        tokens = jax.random.categorical(key, dist, axis=-1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), tokens[:, None], -1)[:, 0]
+    return tokens.astype(jnp.int32), logprobs
