@@ -11,6 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 from trace_jax import fp4
 from trace_jax.fp4.formats import E2M1_VALUES, E4M3_MAX, E4M3_MIN_NORMAL
+from trace_jax.fp4.quantize import decode_blocks, normalise, nvfp4_block_scale
 
 
 def np_decode(qt: fp4.QTensor) -> np.ndarray:
@@ -215,17 +216,13 @@ def test_four_over_six_never_loses_to_either_candidate_and_helps_on_average():
     # so it is never worse than max-6 with the same global scale (recomputed here).
     s_g = qt46.global_scale
     amax_b = jnp.abs(x).reshape(64, 16, 16).max(-1)
+    blocks = x.reshape(64, 16, 16)
     for target in (6.0, 4.0):
-        s_b = (
-            jnp.clip(amax_b / target / s_g, E4M3_MIN_NORMAL, E4M3_MAX)
-            .astype(jnp.float8_e4m3fn)
-            .astype(jnp.float32)
-        )
-        s = (s_b * s_g)[..., None]
-        z = jnp.clip(x.reshape(64, 16, 16) * ((1 / s_g) / s_b)[..., None], -6, 6)
-        cand = fp4.decode_e2m1(fp4.round_to_e2m1(z)) * s
-        cand_err = np.square(np.asarray(cand - x.reshape(64, 16, 16))).sum(-1)
-        assert np.all(err["four_over_six"] <= cand_err * (1 + 1e-6))
+        s_b = nvfp4_block_scale(amax_b, s_g, target).astype(jnp.float32)
+        z = jnp.clip(normalise(blocks, s_b, s_g, fp4.NVFP4), -6, 6)
+        cand = decode_blocks(fp4.round_to_e2m1(z), s_b, s_g)  # the dequantization's arithmetic
+        cand_err = np.square(np.asarray(cand - blocks)).sum(-1)
+        assert np.all(err["four_over_six"] <= cand_err)
     assert err["four_over_six"].sum() < err["max6"].sum()
 
 

@@ -87,16 +87,29 @@ def _block_reduce(per_element: jax.Array, block_2d: bool, op) -> jax.Array:
 # ----------------------------------------------------------------------------- scales
 
 
+def exact_div(a: jax.Array, b) -> jax.Array:
+    """IEEE float32 ``a / b``, computed as written.
+
+    XLA's algebraic simplifier rewrites a division by a constant or by a broadcast scalar into a
+    multiplication by a rounded reciprocal, and ``(a / b) / c`` into ``a / (b * c)``; either
+    changes the last bit of a scale, and through it codes. Hiding both operands behind an
+    optimization barrier keeps the division that the formats' reference encoders perform.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    a, b = jax.lax.optimization_barrier((a, b))
+    return a / b
+
+
 def nvfp4_global_scale(amax: jax.Array, e4m3_max: float = E4M3_MAX) -> jax.Array:
     """FP32 global scale ``amax / (6 * e4m3_max)`` with the zero / non-finite rules above."""
-    s_g = jnp.maximum(amax / (E2M1_MAX * e4m3_max), F32_MIN_NORMAL)
+    s_g = jnp.maximum(exact_div(amax, E2M1_MAX * e4m3_max), F32_MIN_NORMAL)
     s_g = jnp.where(amax == 0, 1.0, s_g)
     return jnp.where(jnp.isfinite(amax), s_g, jnp.nan).astype(jnp.float32)
 
 
 def nvfp4_block_scale(amax_block: jax.Array, s_g: jax.Array, target: float = E2M1_MAX):
     """E4M3 block scale mapping the block max to ``target`` (6, or 4 for 4/6). -> float8_e4m3fn."""
-    s = (amax_block / target) / s_g
+    s = exact_div(exact_div(amax_block, target), _expand_rows(s_g, amax_block))
     return jnp.clip(s, E4M3_MIN_NORMAL, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
@@ -133,7 +146,8 @@ def normalise(blocks: jax.Array, scales: jax.Array, s_g: jax.Array, fmt: FormatS
       [..., K/b, b] float32, not clipped.
     """
     if fmt.has_global_scale:
-        return blocks * ((1.0 / _expand(s_g)) / scales[..., None])
+        reciprocal = exact_div(exact_div(1.0, _expand_rows(s_g, scales)), scales)
+        return blocks * reciprocal[..., None]
     return blocks / scales[..., None]
 
 
@@ -143,6 +157,11 @@ def decode_blocks(codes: jax.Array, scales: jax.Array, s_g: jax.Array) -> jax.Ar
     ``q * s_b`` is exact in float32 (E2M1 x E4M3 needs 6 significant bits); one rounding follows.
     """
     return (e2m1.decode_e2m1(codes) * scales[..., None]) * _expand(s_g)
+
+
+def _expand_rows(s_g: jax.Array, per_block: jax.Array) -> jax.Array:
+    """A global scale () or [..., 1] broadcast to per-block values [..., K/b]."""
+    return jnp.broadcast_to(s_g, per_block.shape)
 
 
 def _expand(s_g: jax.Array) -> jax.Array:
