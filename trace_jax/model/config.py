@@ -38,7 +38,7 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32
     intermediate_size: int = 128
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -145,29 +145,41 @@ class ModelConfig:
             )
         if config.get("use_sliding_window"):
             raise ConfigError("use_sliding_window: sliding-window attention is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: {config['hidden_act']!r} is not supported (only silu)")
         num_heads = config["num_attention_heads"]
-        rope = config.get("rope_parameters") or {}
+        # transformers >= 5 writes ``rope_parameters``, older versions ``rope_theta`` and
+        # ``rope_scaling``; as in transformers, the RoPE dict's theta wins over a top-level one.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported")
+        # transformers >= 5 saves Qwen3-MoE's expert count under its alias ``num_local_experts``.
+        num_experts = config.get("num_experts", config.get("num_local_experts"))
+        if num_experts is None:
+            raise ConfigError("num_experts: missing from the Hugging Face config")
+        # Missing keys take the transformers defaults of Qwen3MoeConfig / Qwen2MoeConfig.
         kwargs = dict(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads", num_heads),
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             intermediate_size=config["intermediate_size"],
-            num_experts=config["num_experts"],
+            num_experts=num_experts,
             num_experts_per_tok=config["num_experts_per_tok"],
             moe_intermediate_size=config["moe_intermediate_size"],
-            norm_topk_prob=config.get("norm_topk_prob", qwen3),
+            norm_topk_prob=config.get("norm_topk_prob", False),
             decoder_sparse_step=config.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=0
             if qwen3
-            else config.get("shared_expert_intermediate_size", 0),
+            else config.get("shared_expert_intermediate_size", 5632),
             qk_norm=qwen3,
-            attention_bias=not qwen3,  # Qwen2 has q/k/v biases; Qwen3 has none
+            attention_bias=False if qwen3 else config.get("qkv_bias", True),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
         )
         kwargs.update(overrides)
