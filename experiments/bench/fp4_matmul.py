@@ -1,0 +1,596 @@
+"""Check and time the FP4 matmul kernels against the best BF16 path on the same GPU, in one run.
+
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py            # the performance table
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --sweep    # tiling sweep, dense M=16
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
+
+Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
+fresh random inputs (NaN fails); times are medians of repeated back-to-back runs of one jitted
+program that calls the op on ``SETS`` distinct weight copies (so no call is served from L2),
+after a warm-up; the table prints each FP4 time against the best BF16 path measured in the same
+process: XLA's matmul with the weight as [K, N] or as [N, K], and the BF16 variant of the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels import fp4_matmul as fm
+from trace_jax import fp4
+
+HBM_BYTES_PER_S = 4.8e12
+SETS = 4  # distinct weight copies per timed program (each > L2 or rotated past it)
+CALLS = 8  # op calls per timed program
+DENSE_SHAPES = ((8192, 28672), (4096, 14336))  # (K, N)
+REL_TOL = 8e-3  # bf16 output rounding is ~2e-3 relative per element
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_op(fn, arg_sets, reps: int = 5, min_s: float = 0.03) -> float:
+    """Median seconds per call of ``fn(*args)`` over back-to-back runs of a batched program."""
+    calls = [arg_sets[i % len(arg_sets)] for i in range(CALLS)]
+    prog = jax.jit(lambda cs: [fn(*a) for a in cs])
+    jax.block_until_ready(prog(calls))
+    t0 = time.perf_counter()
+    jax.block_until_ready(prog(calls))
+    iters = max(1, int(min_s / max(time.perf_counter() - t0, 1e-6)))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = prog(calls)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / (iters * CALLS))
+    return statistics.median(samples)
+
+
+def rel_error(y, ref) -> float:
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(y)):
+        return float("nan")
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check(name, y, ref, log):
+    err = rel_error(y, ref)
+    ok = bool(err <= REL_TOL)  # NaN compares False
+    log.append(dict(check=name, rel_err=err, ok=ok))
+    if not ok:
+        print(f"CHECK FAILED {name}: rel err {err}", flush=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass
+class DenseCase:
+    k: int
+    n: int
+    fmt: str
+    w_bf16: list  # [K, N] bf16 per set
+    wt_bf16: list  # [N, K] bf16 per set
+    packed: list  # Fp4Weight per set
+
+
+def make_dense(k, n, fmt, sets, seed=0):
+    w_bf16, wt_bf16, packed = [], [], []
+    for s in range(sets):
+        w = jax.random.normal(jax.random.key(seed * 100 + s), (k, n), jnp.float32) * 0.02
+        qt = fp4.quantize(w, fmt, axis=0)
+        packed.append(jax.block_until_ready(fm.prepack(qt)))
+        wb = w.astype(jnp.bfloat16)
+        w_bf16.append(wb)
+        wt_bf16.append(jnp.asarray(wb.T, copy=True))
+        del w
+    return DenseCase(k, n, fmt, w_bf16, wt_bf16, packed)
+
+
+def make_x(m, k, seed):
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def fp4_bytes(m, k, n, fmt, w4a4=False):
+    spec = fp4.get_format(fmt)
+    w = n * k // 2 + n * k // spec.block_size + 4 * n
+    x = m * k // 2 + m * k // 16 + 4 * m if w4a4 else 2 * m * k
+    return w + x + 2 * m * n
+
+
+def bf16_bytes(m, k, n):
+    return 2 * (n * k + m * k + m * n)
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def xla_bf16(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def xla_bf16_t(x, wt):
+    return jax.lax.dot_general(
+        x, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    ).astype(jnp.bfloat16)
+
+
+def bf16_kernel_config(m):
+    bm = max(16, min(64, fm._next_pow2(m)))
+    return fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=bm, num_warps=4, num_stages=4)
+
+
+def best_bf16(case: DenseCase, m, log, seed):
+    xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
+    t_xla = time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True)))
+    t_xla_t = time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True)))
+    t_ker = float("inf")
+    cfg = bf16_kernel_config(m)
+    try:
+        kern = lambda x, wt: fm.bf16_matmul(x, wt, config=cfg)  # noqa: E731
+        if check(
+            f"bf16 kernel m={m} k={case.k}",
+            kern(xs[0], case.wt_bf16[0]),
+            xla_bf16(xs[0], case.w_bf16[0]),
+            log,
+        ):
+            t_ker = time_op(kern, list(zip(xs, case.wt_bf16, strict=True)))
+    except Exception as e:  # a lowering failure is reported, not fatal
+        print(f"bf16 kernel m={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    best = min(t_xla, t_xla_t, t_ker)
+    log.append(
+        dict(
+            bf16=True,
+            m=m,
+            k=case.k,
+            n=case.n,
+            xla_kn=t_xla,
+            xla_nk=t_xla_t,
+            kernel=t_ker,
+            best=best,
+        )
+    )
+    return best, dict(xla_kn=t_xla, xla_nk=t_xla_t, kernel=t_ker)
+
+
+def _bytes_only(c, s, offset, fmt):
+    """Diagnostic tile decode: nibbles converted without scales (wrong values, never checked)."""
+    del s, offset, fmt
+    return (c & 15).astype(jnp.bfloat16), (c >> 4).astype(jnp.bfloat16)
+
+
+fm.DEQUANT_TILE["bytes_only"] = _bytes_only
+
+
+def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
+    """Check then time one FP4 kernel configuration; returns seconds or NaN on failure.
+
+    The diagnostic "bytes_only" decode is timed without the check (its values are wrong).
+    """
+    xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
+    if w4a4:
+        fn = lambda x, w: fm.fp4_matmul_w4a4(x, w, config=config)  # noqa: E731
+        ref = fm.fp4_matmul_w4a4_reference(xs[0], case.packed[0])
+    else:
+        fn = lambda x, w: fm.fp4_matmul(x, w, config=config)  # noqa: E731
+        ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
+    try:
+        y = fn(xs[0], case.packed[0])
+        if config is not None and config.dequant == "bytes_only":
+            return time_op(fn, list(zip(xs, case.packed, strict=True)))
+        if not check(f"{label} fp4 {case.fmt} m={m} k={case.k} n={case.n}", y, ref, log):
+            return float("nan")
+        return time_op(fn, list(zip(xs, case.packed, strict=True)))
+    except Exception as e:
+        print(
+            f"{label} {case.fmt} m={m} cfg={config}: {type(e).__name__}: {str(e)[:400]}", flush=True
+        )
+        return float("nan")
+
+
+def run_dispatch(case: DenseCase, m, log, seed):
+    xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
+    fn = lambda x, w: fm.fp4_linear(x, w)  # noqa: E731
+    if not check(
+        f"dispatch {case.fmt} m={m}",
+        fn(xs[0], case.packed[0]),
+        fm.fp4_matmul_reference(xs[0], case.packed[0]),
+        log,
+    ):
+        return float("nan")
+    return time_op(fn, list(zip(xs, case.packed, strict=True)))
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def _sweep_variants(case, m, base, variants, t_bf16, log, rows, w4a4=False):
+    """Time ``base`` with each override in ``variants``; returns (best seconds, best config)."""
+    best = (float("inf"), base)
+    for v in variants:
+        try:
+            cfg = dataclasses.replace(base, **v)
+        except ValueError as e:
+            print(f"  skip {v}: {e}", flush=True)
+            continue
+        t = run_fp4(case, m, log, seed=11, config=cfg, w4a4=w4a4, label="sweep")
+        frac = fp4_bytes(m, case.k, case.n, case.fmt, w4a4) / t / HBM_BYTES_PER_S
+        desc = {
+            f.name: getattr(cfg, f.name)
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(fm.Fp4MatmulConfig(), f.name)
+        }
+        rows.append(
+            (
+                case.fmt + (" w4a4" if w4a4 else ""),
+                case.k,
+                case.n,
+                m,
+                json.dumps(desc),
+                t,
+                t_bf16,
+                frac,
+            )
+        )
+        print(
+            f"  {case.fmt}{' w4a4' if w4a4 else ''} k={case.k} m={m} {json.dumps(desc):90s} "
+            f"{t * 1e6:8.1f} us x{t_bf16 / t:5.2f} {100 * frac:5.1f}% HBM",
+            flush=True,
+        )
+        if t == t and cfg.dequant != "bytes_only" and t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def sweep(log):
+    """Tiling search: stage 1 at K=8192 N=28672 M=16, then around the best, then other shapes."""
+    rows = []
+    case = make_dense(8192, 28672, "nvfp4", SETS)
+    bf = {m: best_bf16(case, m, log, seed=7) for m in (1, 16, 64, 256)}
+    for m, (_, parts) in bf.items():
+        print(
+            f"[bf16] k=8192 m={m} " + " ".join(f"{a}={b * 1e6:.1f}" for a, b in parts.items()),
+            flush=True,
+        )
+    base = fm.Fp4MatmulConfig(block_n=128, block_k=256, block_m=16)
+    stage1 = [
+        dict(dequant="bytes_only", x_layout="split"),
+        dict(dequant="bytes_only", x_layout="join"),
+        dict(dequant="bytes_only", x_layout="strided"),
+        dict(x_layout="split"),
+        dict(x_layout="join"),
+        dict(x_layout="split", dequant="portable"),
+        dict(x_layout="join", dequant="portable"),
+        dict(x_layout="split", block_n=64),
+        dict(x_layout="join", block_n=64),
+        dict(x_layout="split", block_k=512),
+        dict(x_layout="join", block_k=512),
+        dict(x_layout="split", block_k=128),
+        dict(x_layout="join", block_k=128),
+        dict(x_layout="split", split_k=2),
+        dict(x_layout="join", split_k=2),
+        dict(x_layout="split", num_warps=8),
+        dict(x_layout="join", num_warps=8),
+    ]
+    t1, best = _sweep_variants(case, 16, base, stage1, bf[16][0], log, rows)
+    stage2 = [
+        dict(num_stages=2),
+        dict(num_stages=3),
+        dict(num_stages=5),
+        dict(num_stages=6),
+        dict(block_n=64, block_k=512),
+        dict(block_n=256, num_warps=8),
+        dict(block_n=64, num_warps=2),
+        dict(split_k=4),
+        dict(block_n=64, split_k=2),
+        dict(block_k=512, num_warps=8, num_stages=3),
+        dict(block_k=1024, num_warps=8, num_stages=2),
+    ]
+    t2, best2 = _sweep_variants(case, 16, best, stage2, bf[16][0], log, rows)
+    best = best2 if t2 < t1 else best
+    print(f"BEST m=16: {best}", flush=True)
+    _sweep_variants(case, 1, best, [{}, dict(split_k=2), dict(block_n=64)], bf[1][0], log, rows)
+    b64 = dataclasses.replace(best, block_m=64)
+    _sweep_variants(
+        case,
+        64,
+        b64,
+        [
+            {},
+            dict(num_warps=8),
+            dict(block_n=64),
+            dict(block_k=128),
+            dict(block_k=128, num_warps=8),
+            dict(num_stages=3),
+            dict(x_layout="join" if best.x_layout == "split" else "split"),
+        ],
+        bf[64][0],
+        log,
+        rows,
+    )
+    _sweep_variants(
+        case,
+        256,
+        b64,
+        [
+            dict(block_m=128, num_warps=8),
+            dict(block_m=64),
+            dict(block_m=128, block_n=64, num_warps=8),
+            dict(block_m=256, block_n=64, num_warps=8),
+        ],
+        bf[256][0],
+        log,
+        rows,
+    )
+    xs = [make_x(256, case.k, 3 + i) for i in range(SETS)]
+    t_xla = time_op(
+        lambda x, w: fm._xla_linear(x, w, False), list(zip(xs, case.packed, strict=True))
+    )
+    rows.append(
+        (
+            "nvfp4 xla fallback",
+            case.k,
+            case.n,
+            256,
+            "{}",
+            t_xla,
+            bf[256][0],
+            fp4_bytes(256, case.k, case.n, "nvfp4") / t_xla / HBM_BYTES_PER_S,
+        )
+    )
+    for m in (16, 64):
+        cfg = best if m == 16 else b64
+        _sweep_variants(case, m, cfg, [{}], bf[m][0], log, rows, w4a4=True)
+    del case
+    mx = make_dense(8192, 28672, "mxfp4", SETS, seed=3)
+    _sweep_variants(mx, 16, best, [{}, dict(dequant="portable")], bf[16][0], log, rows)
+    del mx
+    small = make_dense(4096, 14336, "nvfp4", SETS, seed=4)
+    for m in (1, 16, 64):
+        tb, parts = best_bf16(small, m, log, seed=7)
+        print(
+            f"[bf16] k=4096 m={m} " + " ".join(f"{a}={b * 1e6:.1f}" for a, b in parts.items()),
+            flush=True,
+        )
+        cfg = best if m < 64 else b64
+        _sweep_variants(
+            small,
+            m,
+            cfg,
+            [{}, dict(split_k=2), dict(split_k=4), dict(block_n=64), dict(block_n=64, split_k=2)],
+            tb,
+            log,
+            rows,
+        )
+    print("\n| format | K | N | M | config (vs defaults) | us | best bf16 us | speedup | HBM |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for f, k, n, m, v, t, tb, frac in rows:
+        print(
+            f"| {f} | {k} | {n} | {m} | {v} | {t * 1e6:.1f} | {tb * 1e6:.1f} | {tb / t:.2f}x "
+            f"| {100 * frac:.0f} % |"
+        )
+
+
+t_bf16_cache: dict = {}  # (K, M) -> best BF16 seconds, shared by both formats
+
+
+def tune(log):
+    """Short tiling search (NVFP4, both dense shapes); returns {(K, M): best config}."""
+    base = fm.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, split_k=2)
+    v16 = [
+        {},
+        dict(num_stages=3),
+        dict(num_stages=2),
+        dict(split_k=4),
+        dict(block_n=32),
+        dict(block_n=32, split_k=4),
+        dict(block_k=64),
+        dict(prefetch=True, num_stages=1),
+        dict(prefetch=True, num_stages=1, split_k=4),
+        dict(prefetch=True, num_stages=1, block_n=128, num_warps=8),
+        dict(block_n=128, num_warps=8),
+        dict(block_k=256, num_stages=3),
+    ]
+    v64 = [
+        dict(block_m=64),
+        dict(block_m=64, num_stages=3),
+        dict(block_m=64, split_k=4),
+        dict(block_m=64, prefetch=True, num_stages=1),
+        dict(block_m=64, block_n=128, num_warps=8),
+    ]
+    best = {}
+    for k, n in DENSE_SHAPES:
+        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        for m, variants in ((16, v16), (64, v64)):
+            tb = best_bf16(case, m, log, seed=5)[0]
+            t, cfg = _sweep_variants(case, m, base, variants, tb, log, [])
+            best[(k, m)] = cfg
+            print(f"TUNED k={k} m={m}: {t * 1e6:.1f} us {cfg}", flush=True)
+        del case
+    best = {**best, **{(k, 1): best[(k, 16)] for k, _ in DENSE_SHAPES}}
+    return best
+
+
+def table(log, configs=None):
+    """All rows of the performance table. ``configs``: {(K, M): config}, else the defaults."""
+    configs = configs or {}
+    rows = []
+    for fmt in ("nvfp4", "mxfp4"):
+        for k, n in DENSE_SHAPES:
+            case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
+            for m in (1, 16, 64, 256):
+                if (k, m) not in t_bf16_cache:  # one BF16 measurement per shape, both formats
+                    t_bf16_cache[(k, m)] = best_bf16(case, m, log, seed=5)[0]
+                t_bf16 = t_bf16_cache[(k, m)]
+                if m == 256:
+                    t = run_dispatch(case, m, log, seed=9)
+                    rows.append(
+                        (f"dense {fmt} dispatch", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt))
+                    )
+                    continue
+                cfg = configs.get((k, m))
+                t = run_fp4(case, m, log, seed=9, config=cfg, label="table")
+                rows.append((f"dense W4A16 {fmt}", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt)))
+                if fmt == "nvfp4":
+                    t4 = run_fp4(case, m, log, seed=9, config=cfg, w4a4=True, label="table")
+                    rows.append(
+                        (
+                            f"dense W4A4 {fmt} (W4A16: {t * 1e6:.1f} us)",
+                            k,
+                            n,
+                            m,
+                            t4,
+                            t_bf16,
+                            fp4_bytes(m, k, n, fmt, w4a4=True),
+                        )
+                    )
+            del case
+    rows += grouped_rows(log)
+    print_table(rows)
+    return rows
+
+
+GROUPED_SHAPES = ((2048, 1536), (768, 2048))  # (K, N): gate/up and down
+EXPERTS, TOP_K = 128, 8
+
+
+def route(tokens, seed):
+    """Group sizes of ``tokens`` tokens each sent to TOP_K distinct experts uniformly."""
+    rng = np.random.default_rng(seed)
+    picks = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)])
+    return jnp.asarray(np.bincount(picks.ravel(), minlength=EXPERTS), jnp.int32)
+
+
+def grouped_rows(log, configs=(None,)):
+    rows = []
+    for k, n in GROUPED_SHAPES:
+        packed, wb = [], []
+        for s in range(SETS):
+            w = jax.random.normal(jax.random.key(50 + s), (EXPERTS, k, n), jnp.float32) * 0.02
+            packed.append(
+                jax.block_until_ready(gm.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1)))
+            )
+            wb.append(w.astype(jnp.bfloat16))
+            del w
+        for tokens in (16, 64, 256):
+            t_rows = tokens * TOP_K
+            gss = [route(tokens, 7 * tokens + i) for i in range(SETS)]
+            xs = [make_x(t_rows, k, 90 + i) for i in range(SETS)]
+            ragged = lambda x, w, g: jax.lax.ragged_dot(  # noqa: E731
+                x, w, g, preferred_element_type=jnp.float32
+            ).astype(jnp.bfloat16)
+            t_bf16 = time_op(ragged, list(zip(xs, wb, gss, strict=True)))
+            active = int(np.count_nonzero(np.asarray(gss[0])))
+            nbytes = active * (n * k // 2 + n * k // 16 + 4 * n) + 2 * t_rows * (k + n)
+            for cfg in configs:
+                fn = lambda x, w, g, c=cfg: gm.fp4_grouped_matmul(x, w, g, config=c)  # noqa: E731
+                try:
+                    ok = check(
+                        f"grouped k={k} tokens={tokens}",
+                        fn(xs[0], packed[0], gss[0]),
+                        gm.fp4_grouped_matmul_reference(xs[0], packed[0], gss[0]),
+                        log,
+                    )
+                    t = time_op(fn, list(zip(xs, packed, gss, strict=True))) if ok else np.nan
+                except Exception as e:
+                    print(f"grouped {cfg}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    t = float("nan")
+                name = f"grouped nvfp4 {tokens} tok ({active} experts hit)"
+                if cfg is not None:
+                    name += " " + json.dumps(
+                        {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+                    )
+                rows.append((name, k, n, t_rows, t, t_bf16, nbytes))
+                print(
+                    f"  {name} k={k}: {t * 1e6:.1f} us vs ragged_dot bf16 {t_bf16 * 1e6:.1f}",
+                    flush=True,
+                )
+        del packed, wb
+    return rows
+
+
+def print_table(rows):
+    print(
+        "\n| case | K | N | M | time (us) | best bf16 (us) | speedup | of 4.8 TB/s, bytes moved |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, k, n, m, t, tb, nbytes in rows:
+        frac = nbytes / t / HBM_BYTES_PER_S if t == t else float("nan")
+        print(
+            f"| {name} | {k} | {n} | {m} | {t * 1e6:.1f} | {tb * 1e6:.1f} | {tb / t:.2f}x | "
+            f"{100 * frac:.0f} % |"
+        )
+
+
+def smoke(log):
+    """Tiny shapes through the interpreter: exercises the script's plumbing on a CPU."""
+    for fmt in ("nvfp4", "mxfp4"):
+        w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
+        qt = fp4.quantize(w, fmt, axis=0)
+        x = make_x(4, 256, 1)
+        cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+        check(
+            f"smoke {fmt}",
+            fm.fp4_matmul(x, qt, config=cfg, interpret=True),
+            fm.fp4_matmul_reference(x, qt),
+            log,
+        )
+    print(json.dumps(log, indent=1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="short tiling search, then the table")
+    ap.add_argument("--grouped-sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    log: list = []
+    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    if args.smoke:
+        smoke(log)
+        return 0
+    t0 = time.time()
+    if args.sweep:
+        sweep(log)
+    elif args.grouped_sweep:
+        base = fm.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, num_stages=3)
+        cfgs = [base] + [
+            dataclasses.replace(base, **v)
+            for v in (
+                dict(num_stages=4),
+                dict(block_n=128),
+                dict(prefetch=True, num_stages=1),
+                dict(block_n=32),
+                dict(block_k=256),
+            )
+        ]
+        print_table(grouped_rows(log, cfgs))
+    elif args.tune:
+        table(log, tune(log))
+    else:
+        table(log)
+    with open(os.path.join(args.out, "fp4_matmul_log.json"), "w") as f:
+        json.dump(log, f, indent=1)
+    failed = [c for c in log if "check" in c and not c["ok"]]
+    print(f"\n{len(failed)} failed checks; {time.time() - t0:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
