@@ -99,11 +99,28 @@ class Fp4MatmulConfig:
 
 
 def default_config(m: int, k: int, n: int) -> Fp4MatmulConfig:
-    """Tuned defaults per shape class (H200). ``m`` tokens, weight [k, n]."""
+    """Tuned defaults per shape class (H200, see BENCHMARKS.md). ``m`` tokens, weight [k, n].
+
+    Decode (m <= 16): 64-row weight tiles, 128-element K steps, and K split until there are
+    ~900 programs (about 7 per multiprocessor): the kernel is bound by each program's serial
+    load -> decode -> MMA chain, so more programs in flight is what raises bandwidth.
+    Larger m: token tiles of up to 64 rows, 3 pipeline stages, K split in two.
+    """
     block_m = max(_MIN_ROWS, min(64, _next_pow2(m)))
+    block_n, block_k = 64, 128
     if m <= 16:
-        return Fp4MatmulConfig(block_n=128, block_k=256, block_m=block_m, split_k=1)
-    return Fp4MatmulConfig(block_n=128, block_k=128, block_m=block_m, split_k=1, num_warps=8)
+        split_k, stages = 1, 4
+        while n // block_n * split_k < 896 and k % (block_k * split_k * 2) == 0:
+            split_k *= 2
+    else:
+        split_k, stages = (2 if k % (2 * block_k) == 0 else 1), 3
+    return Fp4MatmulConfig(
+        block_n=block_n if n % block_n == 0 else 16,
+        block_k=block_k if k % block_k == 0 else 32,
+        block_m=block_m,
+        split_k=split_k,
+        num_stages=stages,
+    )
 
 
 def _next_pow2(v: int) -> int:
@@ -297,9 +314,11 @@ def dequantize_tile(c, s, offset, fmt: FormatSpec, mode: str):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _fp4_matmul_kernel(*refs, fmt, cfg, steps, w4a4):
+def _fp4_matmul_kernel(*refs, fmt, cfg, steps, w4a4, row_scaled):
     if w4a4:
         xc_ref, xs_ref, xg_ref, c_ref, s_ref, off_ref, g_ref, o_ref = refs
+    elif row_scaled:
+        xe_ref, xo_ref, xg_ref, c_ref, s_ref, off_ref, g_ref, o_ref = refs
     elif cfg.x_layout == "split":
         xe_ref, xo_ref, c_ref, s_ref, off_ref, g_ref, o_ref = refs
     else:
@@ -353,7 +372,7 @@ def _fp4_matmul_kernel(*refs, fmt, cfg, steps, w4a4):
     c0, s0 = load_w(split * steps)
     acc, _, _ = jax.lax.fori_loop(0, steps, body, (acc, c0, s0))
     acc = acc * g_ref[...][:, None]
-    if w4a4:
+    if w4a4 or row_scaled:
         acc = acc * xg_ref[...][None, :]
     o_ref[...] = acc.T.astype(o_ref.dtype)
 
@@ -375,7 +394,15 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
 
 
-def _call(x_args, w: Fp4Weight, m: int, cfg: Fp4MatmulConfig, interpret: bool, w4a4: bool):
+def _call(
+    x_args,
+    w: Fp4Weight,
+    m: int,
+    cfg: Fp4MatmulConfig,
+    interpret: bool,
+    w4a4: bool,
+    row_scaled: bool = False,
+):
     k, n = w.shape
     fmt = w.fmt
     _check_config(cfg, k, n, fmt)
@@ -393,6 +420,8 @@ def _call(x_args, w: Fp4Weight, m: int, cfg: Fp4MatmulConfig, interpret: bool, w
         ]
     elif cfg.x_layout == "split":
         x_specs = [pl.BlockSpec((cfg.block_m, k // 2), lambda i, j, s: (j, 0))] * 2
+        if row_scaled:
+            x_specs.append(pl.BlockSpec((cfg.block_m,), lambda i, j, s: (j,)))
     else:
         x_specs = [pl.BlockSpec((cfg.block_m, k), lambda i, j, s: (j, 0))]
     w_specs = [
@@ -407,7 +436,11 @@ def _call(x_args, w: Fp4Weight, m: int, cfg: Fp4MatmulConfig, interpret: bool, w
     else:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_pad, n), jnp.float32)
         out_spec = pl.BlockSpec((None, cfg.block_m, cfg.block_n), lambda i, j, s: (s, j, i))
-    kernel = functools.partial(_fp4_matmul_kernel, fmt=fmt, cfg=cfg, steps=steps, w4a4=w4a4)
+    if row_scaled and cfg.x_layout != "split":
+        raise ValueError("fp4_matmul: per-row activation scales need x_layout='split'")
+    kernel = functools.partial(
+        _fp4_matmul_kernel, fmt=fmt, cfg=cfg, steps=steps, w4a4=w4a4, row_scaled=row_scaled
+    )
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -461,20 +494,25 @@ def quantize_activation(x: jax.Array) -> QTensor:
     return fp4.quantize(x, "nvfp4", axis=-1, global_scale="row")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "activation_dequant"))
 def fp4_matmul_w4a4(
     x: jax.Array | QTensor,
     w: QTensor | Fp4Weight,
     *,
     config: Fp4MatmulConfig | None = None,
     interpret: bool = False,
+    activation_dequant: Literal["xla", "kernel"] = "xla",
 ) -> jax.Array:
-    """``dequantize(quantize_activation(x)) @ dequantize(w)`` with both dequantized in-kernel.
+    """``dequantize(quantize_activation(x)) @ dequantize(w)``, fp32 accumulation (W4A4).
 
     Args:
       x: [M, K] bf16 activations (quantized here with ``quantize_activation``), or that
         ``QTensor`` already.
       w: weight [K, N] ``QTensor`` (axis 0) or its ``prepack``.
+      activation_dequant: "xla": the activation's codes times its block scales (exact in bf16)
+        are formed in the same XLA fusion that splits x into even/odd columns, and the kernel
+        applies the per-token global scale to its output rows; "kernel": every program decodes
+        the activation's codes itself (x moves as 4.5 bits, but each N block repeats the decode).
     Returns:
       [M, N] bf16.
     """
@@ -485,11 +523,25 @@ def fp4_matmul_w4a4(
         raise ValueError(f"fp4_matmul_w4a4: activation must be NVFP4 [M, {k}] along axis 1")
     m = xq.shape[0]
     cfg = config or default_config(m, k, n)
-    x_scales = jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8)
-    x_out = jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0] * np.float32(
-        2.0 ** (126 - _NVFP4_SCALE_OFFSET)
+    row_scale = jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
+    if activation_dequant == "kernel":
+        x_scales = jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8)
+        x_out = row_scale * np.float32(2.0 ** (126 - _NVFP4_SCALE_OFFSET))
+        return _call([xq.codes, x_scales, x_out], w, m, cfg, interpret, w4a4=True)
+    # code * block scale without the global scale: <= 6 significant bits, exact in bf16.
+    codes = fp4.unpacked_codes(xq)
+    scales = xq.block_scales.astype(jnp.float32)[..., None]
+    x_blocks = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
+    cfg = dataclasses.replace(cfg, x_layout="split")
+    return _call(
+        [x_blocks[:, 0::2], x_blocks[:, 1::2], row_scale],
+        w,
+        m,
+        cfg,
+        interpret,
+        w4a4=False,
+        row_scaled=True,
     )
-    return _call([xq.codes, x_scales, x_out], w, m, cfg, interpret, w4a4=True)
 
 
 # ----------------------------------------------------------------------------- reference

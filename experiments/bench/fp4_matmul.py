@@ -183,7 +183,10 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
     """
     xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
     if w4a4:
-        fn = lambda x, w: fm.fp4_matmul_w4a4(x, w, config=config)  # noqa: E731
+        mode = w4a4 if isinstance(w4a4, str) else "xla"
+        fn = lambda x, w: fm.fp4_matmul_w4a4(  # noqa: E731
+            x, w, config=config, activation_dequant=mode
+        )
         ref = fm.fp4_matmul_w4a4_reference(xs[0], case.packed[0])
     else:
         fn = lambda x, w: fm.fp4_matmul(x, w, config=config)  # noqa: E731
@@ -200,6 +203,33 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
             f"{label} {case.fmt} m={m} cfg={config}: {type(e).__name__}: {str(e)[:400]}", flush=True
         )
         return float("nan")
+
+
+def large_m_paths(case: DenseCase, log, ms):
+    """The two candidates the dispatcher chooses between at large M, each with its BF16 time."""
+    rows = []
+    for m in ms:
+        tb = t_bf16_cache.get((case.k, m)) or best_bf16(case, m, log, seed=5)[0]
+        xs = [make_x(m, case.k, 60 + i) for i in range(SETS)]
+        ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
+        for name, fn in (
+            ("kernel", lambda x, w: fm.fp4_matmul(x, w)),
+            ("dequantize + XLA", lambda x, w: fm._xla_linear(x, w, False)),
+        ):
+            ok = check(f"{name} {case.fmt} m={m}", fn(xs[0], case.packed[0]), ref, log)
+            t = time_op(fn, list(zip(xs, case.packed, strict=True))) if ok else float("nan")
+            rows.append(
+                (
+                    f"dense {case.fmt} {name}",
+                    case.k,
+                    case.n,
+                    m,
+                    t,
+                    tb,
+                    fp4_bytes(m, case.k, case.n, case.fmt),
+                )
+            )
+    return rows
 
 
 def run_dispatch(case: DenseCase, m, log, seed):
@@ -439,25 +469,36 @@ def table(log, configs=None):
                 if m == 256:
                     t = run_dispatch(case, m, log, seed=9)
                     rows.append(
-                        (f"dense {fmt} dispatch", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt))
+                        (
+                            f"dense {fmt} dispatch (auto)",
+                            k,
+                            n,
+                            m,
+                            t,
+                            t_bf16,
+                            fp4_bytes(m, k, n, fmt),
+                        )
                     )
+                    if fmt == "nvfp4":
+                        rows += large_m_paths(case, log, (256, 1024) if k == 8192 else (256,))
                     continue
                 cfg = configs.get((k, m))
                 t = run_fp4(case, m, log, seed=9, config=cfg, label="table")
                 rows.append((f"dense W4A16 {fmt}", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt)))
                 if fmt == "nvfp4":
-                    t4 = run_fp4(case, m, log, seed=9, config=cfg, w4a4=True, label="table")
-                    rows.append(
-                        (
-                            f"dense W4A4 {fmt} (W4A16: {t * 1e6:.1f} us)",
-                            k,
-                            n,
-                            m,
-                            t4,
-                            t_bf16,
-                            fp4_bytes(m, k, n, fmt, w4a4=True),
+                    for mode in ("xla", "kernel"):
+                        t4 = run_fp4(case, m, log, seed=9, config=cfg, w4a4=mode, label="table")
+                        rows.append(
+                            (
+                                f"dense W4A4 {fmt}, act. dequant {mode} (W4A16 {t * 1e6:.1f} us)",
+                                k,
+                                n,
+                                m,
+                                t4,
+                                t_bf16,
+                                fp4_bytes(m, k, n, fmt, w4a4=True),
+                            )
                         )
-                    )
             del case
     rows += grouped_rows(log)
     print_table(rows)

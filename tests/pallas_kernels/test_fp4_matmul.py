@@ -1,0 +1,179 @@
+"""FP4 dense matmul kernel vs its pure-JAX reference: Pallas interpreter on the CPU, and the
+compiled kernel at the benchmark shapes on a GPU."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp4_matmul as fm
+from trace_jax import fp4
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def _weights(k, n, fmt, seed, scale=0.05):
+    w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * scale
+    return fp4.quantize(w, fmt, axis=0)
+
+
+def _x(m, k, seed):
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def _assert_close(y, ref):
+    """bf16-level agreement: the two differ only in fp32 summation order before rounding."""
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert y.shape == ref.shape
+    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < 4e-3, rel
+    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_identity_rows_recover_dequantize_exactly(fmt):
+    # e_k @ W is row k of W: every code and scale of the tile passes through the in-kernel
+    # decode, and the result must be fp4.dequantize's value, rounded once to bf16, bit for bit.
+    k, n = 128, 64
+    qt = _weights(k, n, fmt, seed=1)
+    eye = jnp.eye(k, dtype=jnp.bfloat16)
+    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=64, block_m=64)
+    y = fm.fp4_matmul(eye, qt, config=cfg, interpret=True)
+    expected = fp4.dequantize(qt, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
+    codes = np.asarray(fp4.unpacked_codes(qt)).ravel()
+    assert set(np.unique(codes)) >= set(range(16)) - {8}  # every nonzero code was exercised
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("m", "k", "n", "cfg"),
+    [
+        (1, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=128)),
+        (5, 512, 128, fm.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
+        (16, 256, 128, fm.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
+        (24, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=128, x_layout="join")),
+        (40, 128, 64, fm.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
+    ],
+)
+def test_matches_reference(fmt, m, k, n, cfg):
+    qt = _weights(k, n, fmt, seed=m + k)
+    x = _x(m, k, seed=m * 7 + n)
+    y = fm.fp4_matmul(x, qt, config=cfg, interpret=True)
+    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+
+
+@pytest.mark.parametrize("mode", ["xla", "kernel"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_w4a4_matches_reference(fmt, mode):
+    m, k, n = 7, 256, 64
+    qt = _weights(k, n, fmt, seed=3)
+    x = _x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
+    x = x.at[2].multiply(50)
+    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    y = fm.fp4_matmul_w4a4(x, qt, config=cfg, interpret=True, activation_dequant=mode)
+    ref = fm.fp4_matmul_w4a4_reference(x, qt)
+    _assert_close(y, ref)
+    # and it is not the W4A16 result: the activation really was quantized
+    w4a16 = np.asarray(fm.fp4_matmul_reference(x, qt), np.float32)
+    assert np.linalg.norm(np.asarray(y, np.float32) - w4a16) / np.linalg.norm(w4a16) > 1e-2
+
+
+def test_nan_block_scale_poisons_its_column_mxfp4():
+    # an E8M0 NaN scale (0xFF) dequantizes its block to NaN: that output column must be NaN
+    qt = _weights(128, 64, "mxfp4", seed=5)
+    qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[9, 2].set(0xFF))
+    ref = np.asarray(fm.fp4_matmul_reference(_x(3, 128, 6), qt), np.float32)
+    assert np.all(np.isnan(ref[:, 9]))
+    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    y = np.asarray(fm.fp4_matmul(_x(3, 128, 6), qt, config=cfg, interpret=True), np.float32)
+    assert np.all(np.isnan(y[:, 9]))
+    assert np.all(np.isfinite(np.delete(y, 9, axis=1)))
+
+
+def test_nan_global_scale_poisons_everything_nvfp4():
+    qt = _weights(128, 64, "nvfp4", seed=5)
+    qt = dataclasses.replace(qt, global_scale=jnp.float32(jnp.nan))
+    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    y = fm.fp4_matmul(_x(2, 128, 1), qt, config=cfg, interpret=True)
+    assert np.all(np.isnan(np.asarray(y, np.float32)))
+
+
+def test_prepack_rejects_wrong_axis_and_rank():
+    w = jnp.ones((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="axis 0"):
+        fm.prepack(fp4.quantize(w, "nvfp4", axis=1))
+    with pytest.raises(ValueError, match="2-D"):
+        fm.prepack(fp4.quantize(jnp.ones((2, 64, 32)), "nvfp4", axis=1))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="power of two"):
+        fm.Fp4MatmulConfig(block_n=48)
+    with pytest.raises(ValueError, match="dequant"):
+        fm.Fp4MatmulConfig(dequant="lut")
+    qt = _weights(256, 64, "nvfp4", seed=0)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        cfg = fm.Fp4MatmulConfig(block_n=64, block_k=512)
+        fm.fp4_matmul(_x(1, 256, 0), qt, config=cfg, interpret=True)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(1, 8192, 28672), (16, 4096, 14336), (64, 8192, 28672), (256, 768, 2048), (3, 2048, 1536)],
+)
+def test_default_config_tiles_the_shape(m, k, n):
+    cfg = fm.default_config(m, k, n)
+    assert n % cfg.block_n == 0
+    assert k % (cfg.block_k * cfg.split_k) == 0
+    assert cfg.block_m >= min(m, 64)
+
+
+def test_dispatcher_xla_path_and_leading_axes():
+    qt = _weights(256, 64, "nvfp4", seed=2)
+    x = _x(6, 256, 3).reshape(2, 3, 256)
+    y = fm.fp4_linear(x, qt, backend="auto")  # no GPU here: the XLA path
+    assert y.shape == (2, 3, 64)
+    _assert_close(y.reshape(6, 64), fm.fp4_matmul_reference(x.reshape(6, 256), qt))
+    with pytest.raises(ValueError, match="backend"):
+        fm.fp4_linear(x, qt, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_benchmark_shapes(fmt, k, n, m):
+    qt = fm.prepack(_weights(k, n, fmt, seed=k + m, scale=0.02))
+    x = _x(m, k, seed=m)
+    _assert_close(fm.fp4_matmul(x, qt), fm.fp4_matmul_reference(x, qt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["xla", "kernel"])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_w4a4(mode, m):
+    k, n = 4096, 14336
+    qt = fm.prepack(_weights(k, n, "nvfp4", seed=m, scale=0.02))
+    x = _x(m, k, seed=m + 1)
+    y = fm.fp4_matmul_w4a4(x, qt, activation_dequant=mode)
+    _assert_close(y, fm.fp4_matmul_w4a4_reference(x, qt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_identity_rows_exact(fmt):
+    # the PTX decode (bf16 subnormal for the 0.5 code) must agree bit for bit with dequantize
+    k, n = 256, 128
+    qt = _weights(k, n, fmt, seed=9)
+    y = fm.fp4_matmul(jnp.eye(k, dtype=jnp.bfloat16), qt)
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
+    )
