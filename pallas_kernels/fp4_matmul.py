@@ -402,6 +402,7 @@ def _call(
     interpret: bool,
     w4a4: bool,
     row_scaled: bool = False,
+    row_scale: jax.Array | None = None,
 ):
     k, n = w.shape
     fmt = w.fmt
@@ -453,7 +454,10 @@ def _call(
     )(*x_args, w.codes, w.scales, w.scale_offset.reshape(1), w.out_scale)
     if cfg.split_k > 1:
         out = out.sum(axis=0)
-    return out[:m].astype(jnp.bfloat16)
+    out = out[:m]
+    if row_scale is not None:  # fp32 partial sums (split_k >= 2): scaled before rounding
+        out = out * row_scale[:, None]
+    return out.astype(jnp.bfloat16)
 
 
 def _as_weight(w: QTensor | Fp4Weight) -> Fp4Weight:
@@ -535,15 +539,20 @@ def fp4_matmul_w4a4(
     codes = fp4.unpacked_codes(xq)
     scales = xq.block_scales.astype(jnp.float32)[..., None]
     x_blocks = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
-    cfg = dataclasses.replace(cfg, x_layout="split")
+    # The per-token scale multiplies the fp32 sum of the K-split partials, before the one bf16
+    # rounding (split_k >= 2 keeps the kernel's output in fp32).
+    split = max(cfg.split_k, 2)
+    if k % (cfg.block_k * split):
+        raise ValueError(f"fp4_matmul_w4a4: K={k} does not split in two with {cfg}")
+    cfg = dataclasses.replace(cfg, x_layout="split", split_k=split)
     return _call(
-        [x_blocks[:, 0::2], x_blocks[:, 1::2], row_scale],
+        [x_blocks[:, 0::2], x_blocks[:, 1::2]],
         w,
         m,
         cfg,
         interpret,
         w4a4=False,
-        row_scaled=True,
+        row_scale=row_scale,
     )
 
 
