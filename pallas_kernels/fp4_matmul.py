@@ -505,7 +505,7 @@ def fp4_matmul_w4a4(
     *,
     config: Fp4MatmulConfig | None = None,
     interpret: bool = False,
-    activation_dequant: Literal["xla", "kernel"] = "kernel",
+    activation_dequant: Literal["xla", "kernel"] = "xla",
 ) -> jax.Array:
     """``dequantize(quantize_activation(x)) @ dequantize(w)``, fp32 accumulation (W4A4).
 
@@ -513,13 +513,10 @@ def fp4_matmul_w4a4(
       x: [M, K] bf16 activations (quantized here with ``quantize_activation``), or that
         ``QTensor`` already.
       w: weight [K, N] ``QTensor`` (axis 0) or its ``prepack``.
-      activation_dequant: "kernel" (default): every program decodes the activation's codes
-        itself (x moves as 4.5 bits, but each N block repeats the decode); "xla": the
-        activation's codes times its block scales (exact in bf16)
-        are formed in the same XLA fusion that splits x into even/odd columns, and the kernel
-        applies the per-token global scale to its output rows. "xla" passes the CPU interpreter
-        tests but failed the GPU check (relative error 0.026 against 1e-4 for "kernel", see
-        BENCHMARKS.md); do not use it on a GPU until that is understood.
+      activation_dequant: "xla" (default): the activation's exact bf16 values
+        ``code * block_scale`` are formed once in XLA and the per-token scale multiplies the
+        fp32 split-K sum before the one bf16 rounding; "kernel": every program decodes the
+        activation's codes itself (x moves as 4.5 bits, but each N block repeats the decode).
     Returns:
       [M, N] bf16.
     """
@@ -536,8 +533,13 @@ def fp4_matmul_w4a4(
         x_out = row_scale * np.float32(2.0 ** (126 - _NVFP4_SCALE_OFFSET))
         return _call([xq.codes, x_scales, x_out], w, m, cfg, interpret, w4a4=True)
     # code * block scale without the global scale: <= 6 significant bits, exact in bf16.
+    # The E4M3 scales are read back from their bytes: XLA on the GPU may otherwise skip the
+    # float32 -> float8 -> float32 rounding of a fused quantize+decode (excess precision).
     codes = fp4.unpacked_codes(xq)
-    scales = xq.block_scales.astype(jnp.float32)[..., None]
+    scale_bits = _scale_f32_bits(
+        jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8), jnp.int32(112), fp4.NVFP4
+    )
+    scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float32)[..., None]
     x_blocks = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
     # The per-token scale multiplies the fp32 sum of the K-split partials, before the one bf16
     # rounding (split_k >= 2 keeps the kernel's output in fp32).
