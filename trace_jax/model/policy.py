@@ -48,8 +48,8 @@ class QuantPolicy:
       weight_scale_rule: "max6" or "four_over_six" for the expert weights.
       weight_block_2d: 16x16 weight blocks.
       mask_outside: zero the straight-through gradient outside the representable range.
-      record_codes: at record sites also return the full ``QTensor`` (diagnostic mode, for the
-        code mismatch metrics), under ``<site>.codes``.
+      record_codes: diagnostic mode: every quantized activation/KV site also returns its full
+        ``QTensor`` under ``<site>.codes`` (for the code mismatch metrics).
     """
 
     fmt: Literal["nvfp4", "mxfp4"] = "nvfp4"
@@ -151,7 +151,11 @@ class SiteContext:
         return self.quantized(name, x, layer, kind, want_codes=False)[0]
 
     def quantized(
-        self, name: str, x: jax.Array, layer: int, kind: Literal["act", "kv"] = "act",
+        self,
+        name: str,
+        x: jax.Array,
+        layer: int,
+        kind: Literal["act", "kv"] = "act",
         want_codes: bool = True,
     ) -> tuple[jax.Array, fp4.QTensor | None]:
         """Apply the site and also return the ``QTensor`` whose dequantization is the value.
@@ -169,16 +173,22 @@ class SiteContext:
                 raise KeyError(f"site {name} is guided but no guidance was given for it")
             g = self.guidance[name]
             value = fp4.guided_fake_quant(x, g, mask_outside=p.mask_outside)
-            return value, fp4.guided_quantize(jax.lax.stop_gradient(x), g) if want_codes else None
+            if not (want_codes or p.record_codes):
+                return value, None
+            qt = fp4.guided_quantize(jax.lax.stop_gradient(x), g)
+            if p.record_codes:
+                self.records[name + ".codes"] = qt
+            return value, qt if want_codes else None
         qt = None
-        if mode == "record" or want_codes:
+        if mode == "record" or want_codes or p.record_codes:
             qt = fp4.quantize(jax.lax.stop_gradient(x), p.fmt, global_scale=p.act_global_scale)
         if mode == "record":
             self.records[name] = fp4.rollout_guidance(qt)
-            if p.record_codes:
-                self.records[name + ".codes"] = qt
-        value = fp4.fake_quant(x, p.fmt, global_scale=p.act_global_scale,
-                               mask_outside=p.mask_outside)
+        if p.record_codes:
+            self.records[name + ".codes"] = qt
+        value = fp4.fake_quant(
+            x, p.fmt, global_scale=p.act_global_scale, mask_outside=p.mask_outside
+        )
         return value, qt if want_codes else None
 
     def expert_weight(self, w: jax.Array, contraction_axis: int = 1) -> jax.Array:

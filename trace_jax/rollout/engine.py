@@ -66,7 +66,8 @@ class RolloutState:
       generated: [B, S] bool, True for tokens the policy sampled (loss-bearing).
       logprobs: [B, S] float32, the sampled token's log-prob (0 elsewhere).
       routes: [B, S, L_moe, k] int32 experts per token and MoE layer.
-      guidance: site name -> ``Guidance`` with arrays [B, S, ...] at the guided sites.
+      guidance: site name -> ``Guidance`` with arrays [B, S, ...] at the guided sites (and, in
+        the policy's diagnostic mode, ``<site>.codes`` -> the rollout's full ``QTensor``).
       last_logits: [B, V] float32, the logits after each sequence's last token.
       done: [B] bool, the sequence's current decode has ended.
     """
@@ -76,7 +77,7 @@ class RolloutState:
     generated: jax.Array
     logprobs: jax.Array
     routes: jax.Array
-    guidance: dict[str, fp4.Guidance]
+    guidance: dict[str, Record]
     last_logits: jax.Array
     done: jax.Array
 
@@ -85,29 +86,30 @@ class RolloutState:
         return self.cache.lengths
 
 
-def _record_buffer(g: fp4.Guidance, max_len: int) -> fp4.Guidance:
-    """A zeroed [B, S, ...] buffer for a chunk's [B, T, ...] guidance record."""
-
-    def grow(a):
-        return jnp.zeros((a.shape[0], max_len, *a.shape[2:]), a.dtype)
-
-    shape = (g.shape[0], max_len, *g.shape[2:])
-    return dataclasses.replace(
-        g,
-        mantissa_bits=grow(g.mantissa_bits),
-        block_scales=grow(g.block_scales),
-        global_scale=grow(g.global_scale),
-        shape=shape,
-    )
+Record = fp4.Guidance | fp4.QTensor
 
 
-def _write_record(buf: fp4.Guidance, g: fp4.Guidance, lengths, valid) -> fp4.Guidance:
-    put = functools.partial(kv_cache.scatter_rows, lengths=lengths, valid=valid)
+def _record_buffer(record: Record, max_len: int) -> Record:
+    """A [B, S, ...] buffer for a chunk's [B, T, ...] record: the record of an all-zero input,
+    so that slots never written hold finite scales."""
+    shape = (record.shape[0], max_len, *record.shape[2:])
+    mode = "row" if record.global_scale.ndim else "tensor"
+    qt = fp4.quantize(jnp.zeros(shape, jnp.float32), record.fmt, global_scale=mode)
+    return fp4.rollout_guidance(qt) if isinstance(record, fp4.Guidance) else qt
+
+
+def _array_fields(record: Record) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(record) if not f.metadata.get("static"))
+
+
+def _write_record(buf: Record, chunk: Record, lengths, valid) -> Record:
+    """Scatter a chunk's record [B, T, ...] into the buffer at each sequence's next slots."""
     return dataclasses.replace(
         buf,
-        mantissa_bits=put(buf.mantissa_bits, g.mantissa_bits),
-        block_scales=put(buf.block_scales, g.block_scales),
-        global_scale=put(buf.global_scale, g.global_scale),
+        **{
+            name: kv_cache.scatter_rows(getattr(buf, name), getattr(chunk, name), lengths, valid)
+            for name in _array_fields(buf)
+        },
     )
 
 
@@ -189,7 +191,7 @@ class RolloutEngine:
             done=jnp.zeros((batch,), bool),
         )
 
-    def _empty_guidance(self, batch: int) -> dict[str, fp4.Guidance]:
+    def _empty_guidance(self, batch: int) -> dict[str, Record]:
         """Zeroed [B, S, ...] buffers for every site the policy records (shapes by tracing)."""
 
         def records(state):
@@ -212,7 +214,7 @@ class RolloutEngine:
                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g), self.cfg.max_len
             )
             for name, g in shapes.items()
-            if isinstance(g, fp4.Guidance)
+            if isinstance(g, (fp4.Guidance, fp4.QTensor))
         }
 
     # ------------------------------------------------------------------ steps

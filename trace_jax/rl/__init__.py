@@ -1,0 +1,1 @@
+"""Reinforcement learning with TRACE: losses, importance corrections, mismatch metrics, the loop."""
