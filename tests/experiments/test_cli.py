@@ -43,3 +43,29 @@ def test_every_config_file_resolves():
     for path in sorted(Path("configs").glob("*.yaml")):
         exp, cfg = resolve(str(path), [])
         assert exp.config_cls is type(cfg)
+
+
+def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["batch=4", "max_new_tokens=12", "modes=[none,all]", "--run-dir", str(run_dir)]
+    assert main(["run", "configs/trace_mismatch.yaml", *args]) == 0
+    results = json.loads((run_dir / "results.json").read_text())
+    none, every = results["none"], results["all"]
+    assert every["mismatch/logp_abs"] < none["mismatch/logp_abs"]
+    assert every["mismatch/code_rate/guided"] == every["mismatch/code_far/guided"]
+    assert none["mismatch/code_rate/all"] > every["mismatch/code_rate/all"]
+    assert none["guidance/bytes_per_token"] == 0 < every["guidance/bytes_per_token"]
+    assert (run_dir / "code_rate_per_layer.png").stat().st_size > 0
+    assert "logp_abs" in capsys.readouterr().out
+
+
+def test_bench_scripts_print_their_tables(capsys):
+    from experiments.bench import guidance_size, rollout_cpu
+
+    guidance_size.main(["--presets", "tiny", "qwen3-30b-a3b"])
+    rows = rollout_cpu.bench("tiny", batch=2, prompt_len=3, new=4, repeats=1)
+    assert [r["kv"] for r in rows] == ["bf16", "fp8", "nvfp4", "mxfp4"]
+    assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[2]["cache_bytes"] < rows[0]["cache_bytes"] / 2
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b" in out and "full/compact" in out

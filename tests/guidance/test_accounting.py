@@ -83,3 +83,42 @@ def test_no_guided_layers_and_bad_shapes():
     assert sizes.compact == 0 and sizes.full == 544 and sizes.ratio_to_full == 0.0
     with pytest.raises(ValueError, match=r"site kv.k of layer 0.*block size 32"):
         guidance_bytes_per_token(tiny_sites(head_dim=16), "mxfp4", guided_layers=[0])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_model_accounting_matches_the_engines_record_buffers(fmt):
+    from flax import nnx
+
+    from trace_jax.guidance import model_guidance_bytes
+    from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+    from trace_jax.rollout import RolloutConfig, RolloutEngine
+
+    cfg = ModelConfig.preset("tiny")
+    policy = QuantPolicy.rollout(fmt)
+    model = Transformer(cfg, nnx.Rngs(0))
+
+    def record_bytes(max_len):
+        eng = RolloutEngine(model, policy, RolloutConfig(max_len=max_len, kv_cache=fmt))
+        return sum(g.nbytes for g in eng.start(1).guidance.values())
+
+    # per token: the difference of two buffer lengths (per-tensor placeholders cancel)
+    assert record_bytes(9) - record_bytes(8) == model_guidance_bytes(cfg, policy).compact
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_compact_guidance_is_at_most_1_6_bits_per_element_plus_scales(preset, fmt):
+    from trace_jax.guidance import model_guidance_bytes
+    from trace_jax.model import ModelConfig, QuantPolicy
+
+    cfg = ModelConfig.preset(preset)
+    half = model_guidance_bytes(cfg, QuantPolicy.rollout(fmt))
+    every = model_guidance_bytes(cfg, QuantPolicy.rollout(fmt, guided_layers="all"))
+    block_only = model_guidance_bytes(cfg, QuantPolicy.rollout(fmt, act_global_scale="tensor"))
+    # 1 mantissa bit + an 8-bit block scale per 16 (NVFP4) or 32 (MXFP4) elements
+    assert block_only.bits_per_guided_element == (1.5 if fmt == "nvfp4" else 1.25)
+    # + one FP32 global scale per row (NVFP4): rows are at least head_dim long
+    row_bits = 32 / min(cfg.head_dim, cfg.moe_intermediate_size, cfg.hidden_size)
+    assert half.bits_per_guided_element <= 1.5 + row_bits if fmt == "nvfp4" else 1.25
+    assert every.compact == 2 * half.compact  # the deeper half of an even layer count
+    assert every.full == half.full and 1 / half.ratio_to_full > 4.5  # vs full guidance

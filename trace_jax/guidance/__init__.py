@@ -10,6 +10,8 @@ from trace_jax.guidance.accounting import (
     GuidanceBytes,
     SiteSize,
     guidance_bytes_per_token,
+    model_guidance_bytes,
+    model_sites,
     site_compact_bytes,
     site_full_bytes,
 )
@@ -42,6 +44,8 @@ __all__ = [
     "SpillFormatError",
     "check_record",
     "guidance_bytes_per_token",
+    "model_guidance_bytes",
+    "model_sites",
     "site_compact_bytes",
     "site_full_bytes",
     "split_records",

@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable
 from typing import Literal, NamedTuple
 
 from trace_jax import fp4
+from trace_jax.model import ModelConfig, QuantPolicy
 
 GlobalScale = Literal["row", "tensor"]
 
@@ -134,3 +135,46 @@ def guidance_bytes_per_token(
     return GuidanceBytes(
         compact=compact, full=full, guided_elements=guided_elements, elements=elements
     )
+
+
+def model_sites(cfg: ModelConfig, policy: QuantPolicy) -> list[SiteSize]:
+    """Every activation and K/V site of ``cfg`` that ``policy`` quantizes, with its per-token
+    shape as the model records it: ``experts.gate_up.act`` (H,), ``experts.down.act`` (k, I)
+    on MoE layers, ``kv.k`` / ``kv.v`` (Hkv, D) on every layer."""
+    sites = []
+    for layer in range(cfg.num_layers):
+        if policy.expert_acts != "off" and cfg.is_moe_layer(layer):
+            sites.append(SiteSize("experts.gate_up.act", layer, (cfg.hidden_size,)))
+            sites.append(
+                SiteSize(
+                    "experts.down.act",
+                    layer,
+                    (cfg.num_experts_per_tok, cfg.moe_intermediate_size),
+                )
+            )
+        if policy.kv != "off":
+            for name in ("kv.k", "kv.v"):
+                sites.append(SiteSize(name, layer, (cfg.num_kv_heads, cfg.head_dim)))
+    return sites
+
+
+def model_guidance_bytes(cfg: ModelConfig, policy: QuantPolicy) -> GuidanceBytes:
+    """Guidance bytes per token of a model under a rollout policy: compact records at the sites
+    the policy records (``record`` mode, in its guided layers), full guidance at all its sites."""
+    sites = model_sites(cfg, policy)
+    recorded = [
+        s
+        for s in sites
+        if policy.site_mode("kv" if s.name.startswith("kv.") else "act", s.layer, cfg.num_layers)
+        == "record"
+    ]
+    compact = guidance_bytes_per_token(
+        recorded,
+        policy.fmt,
+        guided_layers=range(cfg.num_layers),
+        global_scale=policy.act_global_scale,
+    )
+    full = guidance_bytes_per_token(
+        sites, policy.fmt, guided_layers=(), global_scale=policy.act_global_scale
+    )
+    return dataclasses.replace(compact, full=full.full, elements=full.elements)

@@ -86,3 +86,43 @@ def route_mismatch(train_routes: jax.Array, rollout_routes: jax.Array, mask: jax
     same = jnp.all(jnp.sort(train_routes, -1) == jnp.sort(rollout_routes, -1), axis=-1)
     m = mask[None].astype(jnp.float32)
     return jnp.sum((~same) * m, axis=(1, 2)) / jnp.maximum(jnp.sum(m, axis=(1, 2)), 1.0)
+
+
+def _site_key(name: str) -> tuple[str, str]:
+    """ "layers.3.kv.k" -> ("kv.k", "3")."""
+    _, layer, site = name.split(".", 2)
+    return site, layer
+
+
+def site_mismatch(
+    train_records: dict, rollout_records: dict, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """Per-site code mismatch of a diagnostic-mode pair of forwards (TRACE.md section 7).
+
+    Args:
+      train_records, rollout_records: the ``<site>.codes`` QTensors [B, S, ...] that
+        ``QuantPolicy(record_codes=True)`` records on each side (other keys are ignored).
+      mask: [B, S] bool, the tokens that count.
+    Returns:
+      ``mismatch/code_rate/<site>/<layer>``, ``mismatch/d_act/<site>/<layer>`` and
+      ``mismatch/code_far/<site>/<layer>``: the fraction of elements whose codes are two or more
+      steps apart on the signed codebook (the only mismatches guided rounding leaves: the
+      rollout's code was not a neighbour of the trainer's input).
+    """
+    out = {}
+    for name, train in train_records.items():
+        if not name.endswith(".codes") or name not in rollout_records:
+            continue
+        rollout = rollout_records[name]
+        site, layer = _site_key(name.removesuffix(".codes"))
+        stats = code_mismatch(train, rollout, mask)
+        steps = jnp.abs(
+            signed_code_index(fp4.code_values(train)) - signed_code_index(fp4.code_values(rollout))
+        )
+        m = _token_mask(mask, steps)
+        out[f"mismatch/code_rate/{site}/{layer}"] = stats["code_rate"]
+        out[f"mismatch/d_act/{site}/{layer}"] = stats["d_act"]
+        out[f"mismatch/code_far/{site}/{layer}"] = jnp.sum((steps >= 2) & m) / jnp.maximum(
+            jnp.sum(m), 1
+        )
+    return out

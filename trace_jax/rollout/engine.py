@@ -103,14 +103,14 @@ def _array_fields(record: Record) -> tuple[str, ...]:
 
 
 def _write_record(buf: Record, chunk: Record, lengths, valid) -> Record:
-    """Scatter a chunk's record [B, T, ...] into the buffer at each sequence's next slots."""
-    return dataclasses.replace(
-        buf,
-        **{
-            name: kv_cache.scatter_rows(getattr(buf, name), getattr(chunk, name), lengths, valid)
-            for name in _array_fields(buf)
-        },
-    )
+    """Scatter a chunk's record [B, T, ...] into the buffer at each sequence's next slots.
+    Per-tensor fields (MXFP4's placeholder global scale of 1) are not per token: kept."""
+
+    def put(name):
+        old, new = getattr(buf, name), getattr(chunk, name)
+        return kv_cache.scatter_rows(old, new, lengths, valid) if new.ndim >= 2 else old
+
+    return dataclasses.replace(buf, **{name: put(name) for name in _array_fields(buf)})
 
 
 def quantize_expert_weights(model: Transformer, policy: QuantPolicy) -> Transformer:
