@@ -1,0 +1,445 @@
+"""Decode attention over the rollout KV cache (bf16, fp8, NVFP4, MXFP4), dequantized in-kernel.
+
+One new query token per sequence attends to the cache slots ``[lo, length)`` of its sequence
+(``lo = length - window`` with a sliding window, else 0). K and V are the cache's stored types
+(``trace_jax.rollout.kv_cache``): bf16 arrays, ``FP8Tensor`` or ``fp4.QTensor`` quantized along D
+with one global scale per token and head. The kernel reads those buffers in place; nothing is
+repacked, so the cache can be written every step.
+
+Kernel layout (Pallas, Triton lowering):
+
+* Grid ``(Hkv, splits, B)``: one program per KV head, split of the sequence and sequence. The
+  KV-head axis varies fastest, so the programs that share a token's 32-byte sectors of block and
+  global scales run together and the sectors are fetched from HBM once.
+* GQA: the ``G = Hq / Hkv`` query heads of a KV head are the rows of one [G, D] tile (padded to
+  16 rows for the matrix unit), so K and V are read once per KV head.
+* Split-K over the sequence (flash-decoding): each program walks ``block_k``-token steps of its
+  share of ``[lo, length)`` with an online softmax and writes an unnormalised fp32 partial output
+  with its running max and sum; ``_combine`` merges the splits in XLA.
+* FP4: the packed bytes are decoded by ``fp4_matmul.dequantize_tile`` into the even and odd
+  D positions (two [block_k, D/2] bf16 tiles, exact: E2M1 x block scale needs 6 significant
+  bits); q is split into its even and odd columns in XLA, so ``q.k = q_e.k_e + q_o.k_o`` and the
+  output comes back as even and odd halves. The global scale (and the decode's power-of-two
+  offset) is per token, so it multiplies a column of the logits for K and a column of the
+  probabilities for V instead of every element.
+* FP8: E4M3 values convert exactly to bf16; the per-token scale is applied as for FP4.
+
+``decode_attention_reference`` is the pure-JAX definition (``kv_cache.read`` + softmax).
+``kv_append`` writes one new token into the cache in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.fp4_matmul import dequantize_tile
+from trace_jax import fp4
+from trace_jax.fp4.formats import E8M0_NAN
+from trace_jax.rollout import kv_cache
+
+CacheFormat = kv_cache.CacheFormat
+Dequant = Literal["asm", "portable"]
+
+_LOG2E = 1.4426950408889634
+_NVFP4_OFFSET = 100  # as fp4_matmul: code * scale * 2**(100 - 126) is a normal bf16 for all codes
+_MIN_ROWS = 16  # the matrix unit's narrow side: fewer query heads per KV head are padded
+_NEG_INIT = -1e30  # running max before any valid slot (finite: exp2(-inf - -inf) would be NaN)
+
+
+# ----------------------------------------------------------------------------- tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Tiling of the decode-attention kernel.
+
+    Attributes:
+      block_k: cache slots per loop step (a power of two >= 16 dividing the cache length).
+      num_splits: programs per (sequence, KV head) along the sequence (flash-decoding splits).
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the slot loop.
+      dequant: FP4 decode: "asm" (PTX bit operations, GPU only) or "portable" (plain jnp; used
+        automatically in interpret mode).
+    """
+
+    block_k: int = 64
+    num_splits: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
+    dequant: Dequant = "asm"
+
+    def __post_init__(self):
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.dequant not in ("asm", "portable"):
+            raise ValueError(f"dequant must be 'asm' or 'portable', got {self.dequant!r}")
+
+
+def default_config(batch: int, max_len: int, kv_heads: int, fmt: CacheFormat):
+    """Defaults per shape class (H200 sweep at B=32 S=8192, BENCHMARKS.md).
+
+    64-slot steps were fastest for bf16 and NVFP4 (32 and 128 slower); splits are chosen so that
+    ``batch * kv_heads * splits`` is about 1024 programs (about 8 per multiprocessor) without a
+    split shorter than 4 steps (4 to 8 splits were within noise of each other at B=32). The same
+    tiling serves every format: all formats run at about the same time per step (BENCHMARKS.md).
+    """
+    block_k = min(64, _prev_pow2(max_len))
+    while max_len % block_k:
+        block_k //= 2
+    steps = max(1, max_len // block_k)
+    splits = 1
+    while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
+        splits *= 2
+    return DecodeAttentionConfig(block_k=block_k, num_splits=splits)
+
+
+def _prev_pow2(v: int) -> int:
+    return 1 << max(0, v.bit_length() - 1)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- stored cache
+
+
+def cache_format(stored: kv_cache.Stored) -> CacheFormat:
+    """The format name of a stored K or V buffer."""
+    if isinstance(stored, fp4.QTensor):
+        return stored.fmt.name
+    if isinstance(stored, kv_cache.FP8Tensor):
+        return "fp8"
+    if stored.dtype == jnp.bfloat16:
+        return "bf16"
+    raise TypeError(f"decode_attention: unsupported cache array of dtype {stored.dtype}")
+
+
+def _cache_shape(stored: kv_cache.Stored) -> tuple[int, int, int, int]:
+    if isinstance(stored, fp4.QTensor):
+        if stored.axis != 3 or not stored.per_row_global_scale:
+            raise ValueError(
+                "decode_attention: an FP4 cache is a QTensor [B, S, Hkv, D] quantized along D "
+                "with one global scale per token and head (kv_cache.to_storage)"
+            )
+        return stored.shape
+    if isinstance(stored, kv_cache.FP8Tensor):
+        return stored.values.shape
+    return stored.shape
+
+
+def _operands(stored: kv_cache.Stored) -> list[jax.Array]:
+    """The arrays the kernel reads, [B, S, Hkv, ...] each (trailing size-1 scale axes dropped)."""
+    if isinstance(stored, fp4.QTensor):
+        return [stored.codes, stored.block_scales, stored.global_scale[..., 0]]
+    if isinstance(stored, kv_cache.FP8Tensor):
+        return [stored.values, stored.scale[..., 0]]
+    return [stored]
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _load_tile(refs, start, cfg, fmt: CacheFormat):
+    """One step's K or V tile.
+
+    Returns (parts, column_scale): parts are bf16 [block_k, D] (bf16, fp8) or the even and odd
+    D positions [block_k, D/2] (FP4); column_scale [block_k] float32 multiplies the token's
+    contribution (None when 1).
+    """
+    rows = pl.ds(start, cfg.block_k)
+    if fmt == "bf16":
+        return [refs[0][rows, :]], None
+    if fmt == "fp8":
+        return [refs[0][rows, :].astype(jnp.bfloat16)], refs[1][rows]
+    codes = refs[0][rows, :]
+    scales = refs[1][rows, :]
+    g = refs[2][rows]
+    spec = fp4.get_format(fmt)
+    if spec.scale_format == "e4m3":
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+        offset = jnp.int32(_NVFP4_OFFSET)
+        col = g * np.float32(2.0 ** (126 - _NVFP4_OFFSET))
+    else:
+        # Per token: put the largest finite block exponent at the top of bf16's range (as
+        # fp4_matmul.prepack does per weight row) and give the row's 2**(126 - offset) to the
+        # column scale. NaN block scales (0xFF) are decoded as 2**-127 and make the column NaN,
+        # so that a masked-out slot never yields a non-finite tile.
+        s32 = scales.astype(jnp.int32)
+        nan_block = s32 == E8M0_NAN
+        s32 = jnp.where(nan_block, 0, s32)
+        offset = 254 - jnp.max(s32, axis=1, keepdims=True)
+        row_nan = jnp.max(nan_block.astype(jnp.int32), axis=1) > 0
+        exp_bits = jnp.maximum(253 - offset[:, 0], 1)  # 2**(126 - offset), biased exponent
+        col = g * jax.lax.bitcast_convert_type(exp_bits << 23, jnp.float32)
+        col = jnp.where(row_nan, jnp.nan, col)
+        scales = s32.astype(jnp.uint8)
+    even, odd = dequantize_tile(codes, scales, offset, spec, cfg.dequant)
+    return [even, odd], col
+
+
+def _decode_attention_kernel(len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_scale, window):
+    q_refs = refs[:n_parts]
+    k_refs = refs[n_parts : n_parts + n_k]
+    v_refs = refs[n_parts + n_k : n_parts + 2 * n_k]
+    o_refs = refs[n_parts + 2 * n_k : 2 * n_parts + 2 * n_k]
+    m_ref, l_ref = refs[2 * n_parts + 2 * n_k :]
+    split = pl.program_id(1)
+    bk = cfg.block_k
+    rows = max(_MIN_ROWS, _next_pow2(group))
+    row_mask = jnp.arange(rows) < group
+
+    hi = len_ref[...]
+    lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
+    lo_aligned = (lo // bk) * bk
+    n_blocks = jnp.maximum(pl.cdiv(hi - lo_aligned, bk), 0)
+    per_split = pl.cdiv(n_blocks, cfg.num_splits)
+    first = split * per_split
+    n_steps = jnp.clip(n_blocks - first, 0, per_split)
+
+    qs = [plgpu.load(r, mask=row_mask[:, None], other=0.0) for r in q_refs]
+    logit_scale = np.float32(sm_scale * _LOG2E)  # softmax in base 2
+    dims = (((1,), (1,)), ((), ()))  # [rows, d] x [bk, d] -> [rows, bk]
+
+    def body(t, carry):
+        accs, m, l = carry
+        start = lo_aligned + (first + t) * bk
+        pos = start + jnp.arange(bk)
+        valid = (pos >= lo) & (pos < hi)
+        k_parts, k_col = _load_tile(k_refs, start, cfg, fmt)
+        s = sum(
+            jax.lax.dot_general(q, k, dims, preferred_element_type=jnp.float32)
+            for q, k in zip(qs, k_parts, strict=True)
+        )
+        if k_col is None:
+            s = s * logit_scale
+        else:
+            s = s * (k_col * logit_scale)[None, :]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v_parts, v_col = _load_tile(v_refs, start, cfg, fmt)
+        if v_col is not None:
+            p = jnp.where(valid[None, :], p * v_col[None, :], 0.0)
+        if fmt in ("bf16", "fp8"):
+            # Stale slots may hold anything: 0 * NaN would reach the sum. FP4 tiles decode to
+            # finite values from any bytes, and their column scale is masked above.
+            v_parts = [jnp.where(valid[:, None], v, 0) for v in v_parts]
+        p = p.astype(jnp.bfloat16)
+        accs = tuple(
+            acc * alpha[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, v_parts, strict=True)
+        )
+        return accs, m_new, l
+
+    d_part = q_refs[0].shape[-1]
+    accs = tuple(jnp.zeros((rows, d_part), jnp.float32) for _ in range(n_parts))
+    m = jnp.full((rows,), _NEG_INIT, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    accs, m, l = jax.lax.fori_loop(0, n_steps, body, (accs, m, l))
+    for o_ref, acc in zip(o_refs, accs, strict=True):
+        plgpu.store(o_ref, acc, mask=row_mask[:, None])
+    plgpu.store(m_ref, m, mask=row_mask)
+    plgpu.store(l_ref, l, mask=row_mask)
+
+
+def _combine(o_parts, m, l):
+    """Merge the splits: o_parts [B, Hkv, splits, G, d] f32, m and l [B, Hkv, splits, G] (base 2).
+
+    Returns [B, Hkv, G, d] f32 per part; a query with no valid slot gets zeros.
+    """
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_max)
+    total = jnp.sum(w * l, axis=2)
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    return [jnp.sum(w[..., None] * o, axis=2) * inv[..., None] for o in o_parts]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "config", "interpret"))
+def decode_attention(
+    q: jax.Array,
+    k: kv_cache.Stored,
+    v: kv_cache.Stored,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    config: DecodeAttentionConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of one new query token per sequence over the KV cache.
+
+    Args:
+      q: [B, Hq, D] bf16, the new tokens' queries (Hq a multiple of Hkv).
+      k, v: the cache's stored K and V of one layer, logical [B, S, Hkv, D]: bf16 arrays,
+        ``kv_cache.FP8Tensor`` or NVFP4/MXFP4 ``fp4.QTensor`` with per-row global scales (as
+        ``kv_cache.to_storage`` makes them). Both in the same format.
+      lengths: [B] int32, valid slots per sequence (the new token's K/V already written, so
+        ``lengths`` counts it); slots >= length are ignored whatever they hold.
+      sm_scale: logit scale, 1/sqrt(D) when None.
+      window: attend to the last ``window`` slots only (sliding window); None: all.
+      config: tiling; ``default_config(B, S, Hkv, fmt)`` when None.
+      interpret: run the Pallas interpreter (CPU tests).
+    Returns:
+      [B, Hq, D] bf16 (zeros for a sequence of length 0).
+    """
+    fmt = cache_format(k)
+    if cache_format(v) != fmt:
+        raise ValueError(f"decode_attention: K is {fmt} but V is {cache_format(v)}")
+    b, s, hkv, d = _cache_shape(k)
+    if _cache_shape(v) != (b, s, hkv, d):
+        raise ValueError(f"decode_attention: K {(b, s, hkv, d)} and V {_cache_shape(v)} differ")
+    bq, hq, dq = q.shape
+    if bq != b or dq != d or hq % hkv:
+        raise ValueError(f"decode_attention: q {q.shape} does not fit a [B={b}, Hkv={hkv}] cache")
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    cfg = config or default_config(b, s, hkv, fmt)
+    if s % cfg.block_k:
+        raise ValueError(f"decode_attention: cache length {s} is not a multiple of {cfg.block_k}")
+    if interpret:
+        cfg = dataclasses.replace(cfg, dequant="portable")
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    group = hq // hkv
+    rows = max(_MIN_ROWS, _next_pow2(group))
+    splits = cfg.num_splits
+
+    qg = q.astype(jnp.bfloat16).reshape(b, hkv, group, d)
+    q_parts = [qg[..., 0::2], qg[..., 1::2]] if fmt in ("nvfp4", "mxfp4") else [qg]
+    dp = q_parts[0].shape[-1]
+    k_ops, v_ops = _operands(k), _operands(v)
+
+    def cache_spec(a):
+        if a.ndim == 4:
+            return pl.BlockSpec((None, s, None, a.shape[3]), lambda h, j, i: (i, 0, h, 0))
+        return pl.BlockSpec((None, s, None), lambda h, j, i: (i, 0, h))
+
+    in_specs = (
+        [pl.BlockSpec((None,), lambda h, j, i: (i,))]
+        + [pl.BlockSpec((None, None, rows, dp), lambda h, j, i: (i, h, 0, 0))] * len(q_parts)
+        + [cache_spec(a) for a in k_ops + v_ops]
+    )
+    part_shape = jax.ShapeDtypeStruct((b, hkv, splits, group, dp), jnp.float32)
+    stat_shape = jax.ShapeDtypeStruct((b, hkv, splits, group), jnp.float32)
+    out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda h, j, i: (i, h, j, 0, 0))] * len(
+        q_parts
+    ) + [pl.BlockSpec((None, None, None, rows), lambda h, j, i: (i, h, j, 0))] * 2
+    kernel = functools.partial(
+        _decode_attention_kernel,
+        fmt=fmt,
+        cfg=cfg,
+        n_parts=len(q_parts),
+        n_k=len(k_ops),
+        group=group,
+        sm_scale=sm_scale,
+        window=window,
+    )
+    *o_parts, m, l = pl.pallas_call(
+        kernel,
+        grid=(hkv, splits, b),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[part_shape] * len(q_parts) + [stat_shape] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"decode_attention_{fmt}",
+    )(lengths.astype(jnp.int32), *q_parts, *k_ops, *v_ops)
+    parts = _combine(o_parts, m, l)
+    out = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(b, hkv, group, d)
+    return out.reshape(b, hq, d).astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window"))
+def decode_attention_reference(
+    q: jax.Array,
+    k: kv_cache.Stored,
+    v: kv_cache.Stored,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """Pure-JAX definition: ``kv_cache.read`` to float32, masked softmax, -> [B, Hq, D] bf16.
+
+    Same arguments as ``decode_attention``.
+    """
+    kf = kv_cache.read(k, jnp.float32)
+    vf = kv_cache.read(v, jnp.float32)
+    b, s, hkv, d = kf.shape
+    hq = q.shape[1]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bhgd,bshd->bhgs", qg, kf, precision=hp) * sm_scale
+    pos = jnp.arange(s)[None, :]
+    valid = pos < lengths[:, None]
+    if window is not None:
+        valid &= pos >= lengths[:, None] - window
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    vf = jnp.where(valid[:, :, None, None], vf, 0.0)
+    out = jnp.einsum("bhgs,bshd->bhgd", p, vf, precision=hp)
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    return out.reshape(b, hq, d).astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- append
+
+
+def kv_append(
+    stored: kv_cache.Stored,
+    value: jax.Array,
+    lengths: jax.Array,
+    *,
+    qt: fp4.QTensor | None = None,
+    valid: jax.Array | None = None,
+) -> kv_cache.Stored:
+    """Quantize one new token's K or V and write it at slot ``lengths[b]`` of each sequence.
+
+    Equal to ``kv_cache.write(stored, kv_cache.to_storage(fmt, value, qt), lengths, valid)``
+    for a one-token chunk. ``stored`` is donated: its buffers are updated in place (call it
+    inside a jit that donates the cache, or directly: the jitted call donates its argument).
+
+    Args:
+      stored: the layer's K or V buffer, logical [B, S, Hkv, D].
+      value: [B, Hkv, D] or [B, 1, Hkv, D], the new token's K or V (the KV site's output).
+      lengths: [B] int32, the first free slot of each sequence.
+      qt: for FP4 caches, the ``QTensor`` the KV site quantized (logical [B, 1, Hkv, D]); None:
+        quantized here as the site's RTN mode does (``fp4.quantize`` along D, per-row global
+        scale for NVFP4).
+      valid: [B] bool, which sequences take a token (all when None); slots >= S are dropped.
+    Returns:
+      the updated buffer (same type and shapes as ``stored``).
+    """
+    return _kv_append(stored, value, lengths, qt, valid)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _kv_append(stored, value, lengths, qt, valid):
+    b = lengths.shape[0]
+    if value.ndim == 3:
+        value = value[:, None]
+    fmt = cache_format(stored)
+    if fmt in ("nvfp4", "mxfp4") and qt is None:
+        qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+    new = kv_cache.to_storage(fmt, value, qt)
+    ok = jnp.ones((b, 1), bool) if valid is None else valid.reshape(b, 1)
+    return kv_cache.write(stored, new, lengths, ok)

@@ -1,0 +1,221 @@
+"""Decode attention over bf16 / fp8 / NVFP4 / MXFP4 KV caches vs its pure-JAX reference: Pallas
+interpreter on the CPU, and the compiled kernel at the benchmark shapes on a GPU; ``kv_append``
+against ``kv_cache.write``."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp4_decode_attention as fa
+from trace_jax import fp4
+from trace_jax.rollout import kv_cache
+
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+SMALL = fa.DecodeAttentionConfig(block_k=16, num_splits=2)
+
+
+def _stored(fmt, x):
+    """x [B, S, Hkv, D] -> the cache's stored value, as the KV site's RTN mode makes it."""
+    qt = None
+    if fmt in ("nvfp4", "mxfp4"):
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+    return kv_cache.to_storage(fmt, x, qt)
+
+
+def _inputs(fmt, b, s, hkv, hq, d, seed):
+    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
+    # Per-token magnitudes spread over 2**-3..2**3 so the per-row scales differ row to row.
+    mag = 2.0 ** jax.random.uniform(jax.random.key(seed + 1), (b, s, hkv, 1), minval=-3, maxval=3)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32) * mag
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32) * mag[:, ::-1]
+    q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(jnp.bfloat16)
+    return q, _stored(fmt, k), _stored(fmt, v)
+
+
+def _poison(stored, lengths, lo=None):
+    """Overwrite every slot outside [lo, length) with NaN bytes (values and scales)."""
+
+    def bad(a, slot_ok):
+        nan = (
+            jnp.asarray(0xFF, jnp.uint8) if a.dtype == jnp.uint8 else jnp.asarray(jnp.nan, a.dtype)
+        )
+        return jnp.where(slot_ok.reshape(slot_ok.shape + (1,) * (a.ndim - 2)), a, nan)
+
+    def per_leaf(a):
+        pos = jnp.arange(a.shape[1])[None, :]
+        ok = pos < lengths[:, None]
+        if lo is not None:
+            ok &= pos >= lo[:, None]
+        return bad(a, ok)
+
+    return jax.tree.map(per_leaf, stored)
+
+
+def _assert_close(y, ref):
+    """bf16-level agreement: probabilities and output are rounded to bf16 once each."""
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert y.shape == ref.shape
+    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
+    assert np.all(np.isfinite(ref))
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < 4e-3, rel
+    np.testing.assert_allclose(y, ref, rtol=2**-6, atol=2**-7 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_reference_with_poisoned_stale_slots(fmt):
+    # Lengths 1, the maximum and in between; slots past each length hold NaN bytes, which the
+    # kernel must never read into the result.
+    b, s, hkv, hq, d = 4, 64, 2, 8, 64
+    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=1)
+    lengths = jnp.array([1, s, 37, 16], jnp.int32)
+    ref = fa.decode_attention_reference(q, k, v, lengths)
+    kp, vp = _poison(k, lengths), _poison(v, lengths)
+    y = fa.decode_attention(q, kp, vp, lengths, config=SMALL, interpret=True)
+    _assert_close(y, ref)
+    # The reference over the poisoned cache is the same (it masks before use).
+    np.testing.assert_array_equal(
+        np.asarray(fa.decode_attention_reference(q, kp, vp, lengths), np.float32),
+        np.asarray(ref, np.float32),
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sliding_window(fmt):
+    b, s, hkv, hq, d = 3, 64, 2, 4, 32
+    window = 21
+    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=2)
+    lengths = jnp.array([s, 40, 5], jnp.int32)
+    lo = jnp.maximum(lengths - window, 0)
+    ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
+    kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
+    y = fa.decode_attention(q, kp, vp, lengths, window=window, config=SMALL, interpret=True)
+    _assert_close(y, ref)
+    # The window changes the answer (the test would notice a kernel that ignores it).
+    full = fa.decode_attention_reference(q, k, v, lengths)
+    assert np.abs(np.asarray(full, np.float32) - np.asarray(ref, np.float32)).max() > 0.05
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (12, 4), (32, 2)])
+def test_gqa_ratios(hq, hkv):
+    # G = 1 (MHA), 3 (padded to 16 rows, not a power of two) and 16 query heads per KV head.
+    b, s, d = 2, 64, 32
+    q, k, v = _inputs("nvfp4", b, s, hkv, hq, d, seed=hq)
+    lengths = jnp.array([s, 23], jnp.int32)
+    cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=1)
+    y = fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True)
+    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths))
+
+
+def test_splits_and_steps_agree():
+    # More splits than blocks (empty splits), and one split walking every block.
+    b, s, hkv, hq, d = 2, 128, 1, 4, 32
+    q, k, v = _inputs("mxfp4", b, s, hkv, hq, d, seed=5)
+    lengths = jnp.array([20, s], jnp.int32)
+    ref = fa.decode_attention_reference(q, k, v, lengths, sm_scale=0.3)
+    for cfg in (
+        fa.DecodeAttentionConfig(block_k=16, num_splits=8),
+        fa.DecodeAttentionConfig(block_k=32, num_splits=1),
+    ):
+        y = fa.decode_attention(q, k, v, lengths, sm_scale=0.3, config=cfg, interpret=True)
+        _assert_close(y, ref)
+
+
+def test_nan_in_a_valid_slot_is_loud():
+    b, s, hkv, hq, d = 1, 32, 1, 2, 32
+    q, k, v = _inputs("nvfp4", b, s, hkv, hq, d, seed=6)
+    g = k.global_scale.at[0, 3].set(jnp.nan)
+    k = dataclasses.replace(k, global_scale=g)
+    y = fa.decode_attention(q, k, v, jnp.array([10], jnp.int32), config=SMALL, interpret=True)
+    assert np.all(np.isnan(np.asarray(y, np.float32)))
+
+
+def test_reference_matches_plain_softmax():
+    # The reference itself, against numpy on a bf16 cache (no quantization involved).
+    b, s, hkv, hq, d = 2, 16, 2, 4, 8
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((b, hq, d)).astype(np.float32)
+    k, v, q = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (k, v, q))
+    lengths = np.array([16, 5])
+    ref = fa.decode_attention_reference(
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(k, jnp.bfloat16),
+        jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(lengths, jnp.int32),
+    )
+    out = np.zeros((b, hq, d), np.float32)
+    for i in range(b):
+        for h in range(hq):
+            kh = k[i, : lengths[i], h // (hq // hkv)]
+            vh = v[i, : lengths[i], h // (hq // hkv)]
+            logits = kh @ q[i, h] / np.sqrt(d)
+            p = np.exp(logits - logits.max())
+            out[i, h] = (p / p.sum()) @ vh
+    np.testing.assert_allclose(np.asarray(ref, np.float32), out, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kv_append_equals_cache_write(fmt):
+    b, s, hkv, d = 3, 32, 2, 64
+    rng = jax.random.key(9)
+    base = jax.random.normal(rng, (b, s, hkv, d), jnp.float32)
+    buf = _stored(fmt, base)
+    x = jax.random.normal(jax.random.key(10), (b, 1, hkv, d), jnp.float32).astype(jnp.bfloat16)
+    lengths = jnp.array([0, 31, 32], jnp.int32)  # first slot, last slot, full (dropped)
+    valid = jnp.array([[True], [True], [True]])
+    qt = None
+    if fmt in ("nvfp4", "mxfp4"):
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+    expect = kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
+    got = fa.kv_append(jax.tree.map(jnp.copy, buf), x, lengths)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+    # Something was written: the new token differs from what the slot held.
+    before = jax.tree.leaves(buf)[0]
+    assert not np.array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(before))
+    # A sequence marked invalid is left alone.
+    got2 = fa.kv_append(
+        jax.tree.map(jnp.copy, buf), x[:, 0], lengths, valid=jnp.array([False, True, True])
+    )
+    np.testing.assert_array_equal(
+        np.asarray(jax.tree.leaves(got2)[0][0]).view(np.uint8),
+        np.asarray(jax.tree.leaves(buf)[0][0]).view(np.uint8),
+    )
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("b", "s"), [(32, 8192), (8, 32768), (64, 2048)])
+def test_gpu_benchmark_shapes(fmt, b, s):
+    hkv, hq, d = 4, 32, 128
+    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=b)
+    lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
+    lengths = lengths.at[0].set(1).at[1].set(s)
+    ref = fa.decode_attention_reference(q, k, v, lengths)
+    y = fa.decode_attention(q, _poison(k, lengths), _poison(v, lengths), lengths)
+    _assert_close(y, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_window_and_small_tiles(fmt):
+    b, s, hkv, hq, d = 4, 512, 4, 32, 128
+    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=3)
+    lengths = jnp.array([1, s, 77, 300], jnp.int32)
+    for window in (None, 50):
+        lo = jnp.maximum(lengths - (window or s), 0)
+        ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
+        kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
+        for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4)):
+            y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
+            _assert_close(y, ref)
