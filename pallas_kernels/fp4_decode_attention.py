@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp4_matmul import dequantize_tile
+from pallas_kernels.fp4_matmul import _EXPANDED_SCALE, DEQUANT_TILE, dequantize_tile
 from trace_jax import fp4
 from trace_jax.fp4.formats import E8M0_NAN
 from trace_jax.rollout import kv_cache
@@ -68,7 +68,8 @@ class DecodeAttentionConfig:
       num_warps: warps per program.
       num_stages: software-pipelining depth of the slot loop.
       dequant: FP4 decode: "asm" (PTX bit operations, GPU only) or "portable" (plain jnp; used
-        automatically in interpret mode).
+        automatically in interpret mode); any other ``fp4_matmul.DEQUANT_TILE`` mode that takes
+        one scale per block (benchmark diagnostics).
     """
 
     block_k: int = 64
@@ -82,7 +83,7 @@ class DecodeAttentionConfig:
             raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.dequant not in ("asm", "portable"):
+        if self.dequant not in DEQUANT_TILE or self.dequant in _EXPANDED_SCALE:
             raise ValueError(f"dequant must be 'asm' or 'portable', got {self.dequant!r}")
 
 

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py            # the performance table
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --sweep    # tiling sweep per format
+    PYTHONPATH=. python3 experiments/bench/fp4_attention.py --diagnose # decode variants, nvfp4
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every path is first compared with the pure-JAX reference on
@@ -278,6 +279,20 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS):
     return best
 
 
+def diagnose(log, b=32, s=8192):
+    """What bounds the FP4 kernel: the same tiling with the PTX decode, the plain-jnp decode, and
+    fp4_matmul's "bytes_only" decode (packed bytes converted without scales: values wrong, timed
+    without a check)."""
+    case = make_case(b, s, "nvfp4", SETS, seed=b)
+    for dequant, stages in (("asm", 3), ("portable", 3), ("bytes_only", 3), ("bytes_only", 4)):
+        cfg = fa.DecodeAttentionConfig(block_k=64, num_splits=8, num_stages=stages, dequant=dequant)
+        t = time_op(ours(cfg), case, reps=3, min_s=0.01)
+        log.append(dict(diagnose=dequant, b=b, s=s, us=t * 1e6, num_stages=stages))
+        print(
+            f"  nvfp4 B={b} S={s} dequant={dequant} stages={stages}: {t * 1e6:.1f} us", flush=True
+        )
+
+
 def smoke(log):
     """Tiny shapes through the interpreter (CPU): the script's plumbing, not timings."""
     for fmt in FORMATS:
@@ -291,6 +306,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--diagnose", action="store_true")
     p.add_argument("--formats", default=",".join(FORMATS), help="formats for --sweep")
     p.add_argument("--log", default=os.path.join(os.environ.get("OUT", "."), "fp4_attention.json"))
     args = p.parse_args(argv)
@@ -298,6 +314,8 @@ def main(argv=None):
     print(f"devices: {jax.devices()}", flush=True)
     if args.smoke:
         smoke(log)
+    elif args.diagnose:
+        diagnose(log)
     else:
         configs = sweep(log, formats=args.formats.split(",")) if args.sweep else None
         print_table(table(log, configs))
