@@ -300,7 +300,7 @@ class RolloutEngine:
         cfg = self.cfg
         stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         budget_end = jnp.minimum(state.lengths + cfg.max_new_tokens, cfg.max_len)
-        done0 = state.lengths >= budget_end
+        done0 = state.done | (state.lengths >= budget_end)
 
         def cond(carry):
             step, st, _ = carry
@@ -323,7 +323,10 @@ class RolloutEngine:
         return state
 
     def decode(self, state: RolloutState, key: jax.Array) -> RolloutState:
-        """Sample up to ``max_new_tokens`` per sequence (jitted loop; the state is donated)."""
+        """Sample up to ``max_new_tokens`` per sequence (jitted loop; the state is donated).
+
+        Sequences whose ``state.done`` is set are left as they are (``append`` clears it; a
+        multi-turn driver sets it for finished episodes before decoding the next turn)."""
         return self._decode(self.state, state, key)
 
     def generate(self, prompts: list[list[int]], key: jax.Array) -> RolloutState:
