@@ -37,13 +37,38 @@ def default_grouped_config(rows: int, experts: int, k: int, n: int) -> Fp4Matmul
 
 
 def prepack_grouped(w: QTensor) -> Fp4Weight:
-    """Arrange expert weights ``QTensor`` [E, K, N] (quantized along K, axis 1) for the kernel."""
+    """Arrange expert weights ``QTensor`` [E, K, N] (quantized along K, axis 1) for the kernel.
+
+    Also takes the per-expert form ``jax.vmap(quantize)`` makes of [E, K, N] weights (logical
+    shape [K, N], axis 0, arrays with a leading expert axis, one global scale per expert): the
+    stored bytes are the same; the global scales become per-row ones.
+    """
+    w = stack_experts(w)
     if len(w.shape) != 3 or w.axis != 1:
         raise ValueError(
             f"fp4_grouped_matmul needs weights [E, K, N] quantized along axis 1, got shape "
             f"{w.shape} axis {w.axis}"
         )
     return _prepack_arrays(w)
+
+
+def stack_experts(w: QTensor) -> QTensor:
+    """A per-expert ``jax.vmap(quantize)`` ``QTensor`` -> the same bytes as one [E, K, N]
+    ``QTensor`` along axis 1 whose per-row global scales [E, N, 1] repeat each expert's scale.
+    Anything else is returned unchanged."""
+    if not (len(w.shape) == 2 and w.axis == 0 and w.codes.ndim == 3):
+        return w
+    e, (k, n) = w.codes.shape[0], w.shape
+    g = jnp.asarray(w.global_scale, jnp.float32)
+    g = jnp.broadcast_to(g.reshape(e, 1, 1) if g.ndim == 1 else g, (e, n, 1))
+    return QTensor(
+        codes=w.codes,
+        block_scales=w.block_scales,
+        global_scale=g,
+        fmt=w.fmt,
+        shape=(e, k, n),
+        axis=1,
+    )
 
 
 def _grouped_kernel(
@@ -189,3 +214,54 @@ def fp4_grouped_matmul_reference(
         preferred_element_type=jnp.float32,
     )
     return y.astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+# Most routed rows (tokens x top-k) at which the kernel was measured against XLA's ragged_dot
+# (H200, BENCHMARKS.md: 9.7-10.4x faster at 2048 rows); beyond it the crossover is not measured
+# and the dispatcher uses XLA.
+PALLAS_MAX_ROWS = 2048
+
+
+def grouped_config(rows: int, experts: int, k: int, n: int, fmt: fp4.FormatSpec):
+    """``default_grouped_config`` with block_n / block_k narrowed to divide N / K (small models);
+    None where no tiling fits (block_n >= 16, block_k >= two scale blocks)."""
+    cfg = default_grouped_config(rows, experts, k, n)
+    block_n, block_k = _pow2_divisor(n, cfg.block_n), _pow2_divisor(k, cfg.block_k)
+    if block_n < 16 or block_k < max(16, 2 * fmt.block_size):
+        return None
+    return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
+
+
+def _pow2_divisor(v: int, most: int) -> int:
+    """The largest power of two <= ``most`` dividing ``v``."""
+    return min(most, v & -v)
+
+
+def fp4_grouped_linear(
+    x: jax.Array, w: Fp4Weight, group_sizes: jax.Array, *, interpret: bool | None = None
+) -> jax.Array:
+    """``ragged_dot(x, dequantize(w), group_sizes)`` through the kernel where it applies, else
+    dequantize + XLA ``ragged_dot`` (the model's XLA path, bit for bit).
+
+    The kernel runs when x is bf16 (it is W4A16), a tiling fits the weight (``grouped_config``)
+    and there are at most ``PALLAS_MAX_ROWS`` rows.
+
+    Args:
+      x: [T, K] rows sorted by expert.
+      w: ``prepack_grouped`` expert weights [E, K, N].
+      group_sizes: [E] int32 rows per expert.
+      interpret: run the kernel in the Pallas interpreter; default: unless on a GPU.
+    Returns:
+      [T, N] in x's dtype, accumulated in float32.
+    """
+    e, k, n = w.shape
+    cfg = grouped_config(x.shape[0], e, k, n, w.fmt)
+    if x.dtype == jnp.bfloat16 and cfg is not None and x.shape[0] <= PALLAS_MAX_ROWS:
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        return fp4_grouped_matmul(x, w, group_sizes, config=cfg, interpret=interpret)
+    wx = fp4.dequantize(w.qtensor, x.dtype)
+    y = jax.lax.ragged_dot(x, wx, group_sizes, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

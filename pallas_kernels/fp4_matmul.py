@@ -35,6 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+# fuser is imported for its side effect only: the Pallas interpreter imports it on first use,
+# and it registers a jit-key config value, which turns every jit cache entry made before into a
+# miss (the rollout engine's jitted steps would each compile twice on the CPU).
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
 from trace_jax import fp4

@@ -9,7 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp4_grouped_matmul import fp4_grouped_linear
+from pallas_kernels.fp4_matmul import Fp4Weight
 from trace_jax import fp4
+
+# Expert weights the rollout engine packs once (``RolloutConfig.backend``): a per-expert FP4
+# ``QTensor`` (backend "xla") or the grouped Pallas kernel's prepacked ``Fp4Weight`` ("pallas").
+# The model uses them as they are (no weight fake quant).
+PackedExpertWeight = fp4.QTensor | Fp4Weight
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -88,17 +95,29 @@ def route(
     return weights, experts.astype(jnp.int32)
 
 
-def expert_matmul(x: jax.Array, w: jax.Array | fp4.QTensor, group_sizes: jax.Array) -> jax.Array:
+def expert_matmul(
+    x: jax.Array, w: jax.Array | PackedExpertWeight, group_sizes: jax.Array
+) -> jax.Array:
     """Grouped matmul over rows sorted by expert (``ragged_dot`` semantics).
+
+    The weight's type picks the backend:
+
+    * [E, K, N] array: XLA ``ragged_dot`` (training, BF16 rollout).
+    * FP4 ``QTensor`` of that logical shape (also the per-expert ``jax.vmap(quantize)`` form):
+      dequantized to x's dtype, then XLA ``ragged_dot``.
+    * ``Fp4Weight`` (``prepack_grouped``): the grouped FP4 Pallas kernel through its
+      dispatcher (``fp4_grouped_linear``: bf16 x, in the Pallas interpreter off the GPU; where
+      the kernel does not apply, the QTensor path above).
 
     Args:
       x: [M, K], rows grouped by expert in expert order.
-      w: [E, K, N] array, or an FP4 ``QTensor`` of that logical shape (dequantized here; the
-        Pallas backend reads it packed).
+      w: the expert weights, as above.
       group_sizes: [E] int32 rows per expert, summing to M.
     Returns:
       [M, N] in x's dtype, accumulated in float32.
     """
+    if isinstance(w, Fp4Weight):
+        return fp4_grouped_linear(x, w, group_sizes)
     if isinstance(w, fp4.QTensor):
         w = fp4.dequantize(w, x.dtype)
     out = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)

@@ -151,10 +151,10 @@ class MoE(nnx.Module):
         inverse = jnp.argsort(order)
         x_q = sites.activation(site_name(layer, "experts.gate_up.act"), x, layer)
         xs = x_q.reshape(b * t, h)[order // k]  # [N*k, H] grouped by expert
-        # Arrays, or packed FP4 QTensors in the rollout engine.
+        # Arrays (through the weight sites), or the rollout engine's packed FP4 weights.
         w_gate, w_up, w_down = (
-            sites.expert_weight(p.get_value())
-            for p in (self.gate_proj, self.up_proj, self.down_proj)
+            w if isinstance(w, layers.PackedExpertWeight) else sites.expert_weight(w)
+            for w in (p.get_value() for p in (self.gate_proj, self.up_proj, self.down_proj))
         )
         gate = layers.expert_matmul(xs, w_gate, group_sizes)
         up = layers.expert_matmul(xs, w_up, group_sizes)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.fp4_grouped_matmul import prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
@@ -38,7 +39,10 @@ class RolloutConfig:
     pad_token: written in slots past a sequence's end.
     fp4_weights: quantize routed-expert weights once in ``update_params`` and keep them packed
       (the policy's expert weight format); else they are used as given.
-    backend: "xla" (reference) or "pallas" (GPU kernels where available).
+    backend: "xla" (reference) or "pallas": the FP4 expert weights are also prepacked once in
+      ``update_params`` for the grouped FP4 Pallas kernel, which the MoE layers then run (in the
+      Pallas interpreter off the GPU; W4A16, so with a bf16 compute dtype; XLA where the kernel
+      does not apply). Without FP4 expert weights both backends are the same.
     """
 
     max_len: int = 256
@@ -53,6 +57,8 @@ class RolloutConfig:
     def __post_init__(self):
         if self.max_len <= 0 or self.max_new_tokens <= 0:
             raise ConfigError("max_len and max_new_tokens must be positive")
+        if self.backend not in ("xla", "pallas"):
+            raise ConfigError(f"backend: must be 'xla' or 'pallas', got {self.backend!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -131,13 +137,26 @@ def quantize_expert_weights(model: Transformer, policy: QuantPolicy) -> Transfor
             )
         )(w)
 
+    for param in _expert_params(model):
+        if not isinstance(param.get_value(), layers.PackedExpertWeight):
+            param.set_value(pack(param.get_value()))
+    return model
+
+
+def prepack_expert_weights(model: Transformer) -> Transformer:
+    """Replace every packed expert ``QTensor`` by the grouped Pallas kernel's ``Fp4Weight``
+    (``prepack_grouped``: same codes, kernel-ready scales). In place; returns ``model``."""
+    for param in _expert_params(model):
+        if isinstance(param.get_value(), fp4.QTensor):
+            param.set_value(prepack_grouped(param.get_value()))
+    return model
+
+
+def _expert_params(model: Transformer):
     for layer in model.layers:
         if layer.is_moe:
             for name in ("gate_proj", "up_proj", "down_proj"):
-                param = getattr(layer.mlp, name)
-                if not isinstance(param.get_value(), fp4.QTensor):
-                    param.set_value(pack(param.get_value()))
-    return model
+                yield getattr(layer.mlp, name)
 
 
 class RolloutEngine:
@@ -167,6 +186,8 @@ class RolloutEngine:
         model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
         if self.cfg.fp4_weights and self.policy.expert_weights == "rtn":
             model = quantize_expert_weights(model, self.policy)
+            if self.cfg.backend == "pallas":
+                model = prepack_expert_weights(model)
         self.graphdef, self.state = nnx.split(model)
         self.version = self.version + 1 if version is None else version
 

@@ -1,0 +1,81 @@
+"""``layers.expert_matmul``: the weight's type picks the backend (array / QTensor -> XLA
+``ragged_dot``; prepacked ``Fp4Weight`` -> the grouped FP4 Pallas kernel, interpreted on the
+CPU, or XLA where the kernel does not apply)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp4_grouped_matmul as gm
+from trace_jax import fp4
+from trace_jax.model import layers
+
+SIZES = jnp.asarray([3, 0, 9, 1], jnp.int32)  # an empty expert; 13 rows
+
+
+def _per_expert(w, fmt):
+    """As the rollout engine packs expert weights: vmapped over experts, along K."""
+    return jax.vmap(lambda we: fp4.quantize(we, fmt, axis=0))(w)
+
+
+def _case(k, n, fmt, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (int(SIZES.sum()), k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (len(SIZES), k, n), jnp.float32) * 0.05
+    # different global scales per expert
+    w = w * jnp.asarray([1.0, 3.0, 0.3, 7.0])[:, None, None]
+    return x, _per_expert(w, fmt)
+
+
+def test_per_expert_qtensor_prepacks_to_the_same_weights():
+    _, qt = _case(64, 32, "nvfp4")
+    pw = gm.prepack_grouped(qt)
+    assert pw.shape == (4, 64, 32) and pw.qtensor.axis == 1
+    np.testing.assert_array_equal(
+        np.asarray(fp4.dequantize(pw.qtensor)), np.asarray(fp4.dequantize(qt))
+    )
+
+
+@pytest.mark.parametrize("fmt, k, n", [("nvfp4", 64, 32), ("nvfp4", 32, 64), ("mxfp4", 64, 32)])
+def test_prepacked_weight_runs_the_kernel_and_matches_the_qtensor_path(fmt, k, n):
+    x, qt = _case(k, n, fmt)
+    pw = gm.prepack_grouped(qt)
+    y = layers.expert_matmul(x, pw, SIZES)
+    assert y.dtype == jnp.bfloat16
+    # the kernel (interpreted here), with the dispatcher's tiling
+    cfg = gm.grouped_config(x.shape[0], 4, k, n, pw.fmt)
+    kernel = gm.fp4_grouped_matmul(x, pw, SIZES, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(kernel))
+    # vs float32 ragged_dot on the exact weights: one bf16 rounding of the output
+    ref = gm.fp4_grouped_matmul_reference(x, qt if fmt == "mxfp4" else pw, SIZES)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=2**-8)
+    xla = np.asarray(layers.expert_matmul(x, qt, SIZES), np.float32)
+    if fmt == "mxfp4":
+        # bf16 holds MXFP4 weights exactly: both paths sum the same exact products in float32
+        np.testing.assert_allclose(np.asarray(y, np.float32), xla, rtol=2**-8)
+    else:
+        # the XLA path rounds code * s_b * s_g to bf16 first (<= 2**-9 relative per weight)
+        scale = np.abs(xla).max()
+        np.testing.assert_allclose(np.asarray(y, np.float32), xla, rtol=2**-7, atol=2e-3 * scale)
+
+
+def test_kernel_does_not_apply_falls_back_to_the_xla_path_bit_for_bit():
+    # float32 activations (W4A16 takes bf16), and an MXFP4 K of one scale block (too short)
+    for x, qt in [
+        (_case(64, 32, "nvfp4")[0].astype(jnp.float32), _case(64, 32, "nvfp4")[1]),
+        _case(32, 64, "mxfp4"),
+    ]:
+        pw = gm.prepack_grouped(qt)
+        np.testing.assert_array_equal(
+            np.asarray(layers.expert_matmul(x, pw, SIZES)),
+            np.asarray(layers.expert_matmul(x, qt, SIZES)),
+        )
+    assert gm.grouped_config(13, 4, 32, 64, fp4.MXFP4) is None
+
+
+def test_array_weights_are_plain_ragged_dot():
+    x, _ = _case(64, 32, "nvfp4")
+    w = jax.random.normal(jax.random.key(5), (4, 64, 32), jnp.float32).astype(jnp.bfloat16)
+    ref = jax.lax.ragged_dot(x, w, SIZES, preferred_element_type=jnp.float32).astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(layers.expert_matmul(x, w, SIZES)), np.asarray(ref))
