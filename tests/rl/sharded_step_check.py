@@ -1,0 +1,73 @@
+"""Run with 2 fake CPU devices: an RL step (SGD, so that parameters compare) on a (data=2)
+and on an (expert=2) mesh equals the single-device step. Executed by ``test_trainer.py`` in a
+fresh process."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+from trace_jax.rl.losses import LossConfig
+from trace_jax.rl.trainer import RLBatch, Trainer
+from trace_jax.rollout import RolloutConfig, RolloutEngine
+
+
+def step(model, batch, mesh=None):
+    trainer = Trainer(model, QuantPolicy.trace(), LossConfig(), optax.sgd(0.1))
+    state = trainer.init()
+    if mesh is None:
+        return trainer.rl_step(state, batch)
+    with jax.set_mesh(mesh):
+        return trainer.rl_step(state, batch)
+
+
+def main():
+    assert jax.device_count() == 2, jax.devices()
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg, nnx.Rngs(0))
+    engine = RolloutEngine(
+        model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
+    )
+    rs = engine.generate([[1, 2, 3], [4, 5], [6], [7, 8, 9]], jax.random.key(0))
+    batch = RLBatch(
+        tokens=rs.tokens,
+        filled=jnp.arange(12)[None] < rs.lengths[:, None],
+        loss_mask=rs.generated,
+        rollout_logp=rs.logprobs,
+        advantages=jnp.asarray([1.0, -1.0, 0.5, -0.5]),
+        routes=jnp.moveaxis(rs.routes, 2, 0),
+        guidance=rs.guidance,
+    )
+    want_state, want = step(Transformer(cfg, nnx.Rngs(0)), batch)
+    for axes in (dict(data=2), dict(expert=2)):
+        mesh = make_mesh(**axes)
+        sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
+
+        def put(a, mesh=mesh):
+            return jax.device_put(a, batch_sharding(mesh, a.ndim))
+
+        data = RLBatch(
+            tokens=put(batch.tokens),
+            filled=put(batch.filled),
+            loss_mask=put(batch.loss_mask),
+            rollout_logp=put(batch.rollout_logp),
+            advantages=put(batch.advantages),
+            routes=batch.routes,
+            guidance=jax.tree.map(put, batch.guidance),
+        )
+        state, got = step(sharded, data, mesh)
+        for key in ("train/loss", "mismatch/logp_abs", "train/grad_norm"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        for a, b in zip(
+            jax.tree.leaves(state.params), jax.tree.leaves(want_state.params), strict=True
+        ):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        print(axes, "ok")
+    print("sharded RL step OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Checkpoints of a whole run (train state, data position, loop state) with orbax.
+
+A checkpoint is a pytree of arrays (the train state and anything else the loop needs exactly:
+past parameters for stale rollouts, PRNG key data) plus a JSON mapping (data iterator state,
+counters). The newest ``max_to_keep`` are kept; saves are atomic, so a run killed at any point
+restarts from its last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class RunCheckpointer:
+    """Args:
+    directory: where checkpoints go (``<run_dir>/checkpoints``).
+    max_to_keep: how many to keep.
+    """
+
+    def __init__(self, directory: str | Path, max_to_keep: int = 2):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, tree: Any, meta: dict[str, Any]) -> None:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(tree=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
+        """The checkpoint of ``step``; ``like`` is a pytree of the same structure whose arrays
+        give shapes, dtypes and shardings."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            like,
+        )
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                tree=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return out["tree"], dict(out["meta"])
+
+    def close(self) -> None:
+        self._manager.close()
