@@ -196,12 +196,12 @@ class GridEnv:
         self.turns += 1
         move = parse_action(action)
         if move is None:
-            what = "invalid"
+            what = "invalid at"
         else:
             dr, dc = MOVES[move]
             nxt = (self.pos[0] + dr, self.pos[1] + dc)
             if self.problem.grid[nxt[0]][nxt[1]] == "#":
-                what = "blocked"
+                what = "blocked at"
             else:
                 self.pos = nxt
                 what = "at"
