@@ -176,6 +176,7 @@ class RolloutEngine:
         self.policy = policy
         self.model_cfg = model.cfg
         self.version = -1
+        self._record_shapes: dict[int, dict] = {}  # batch -> records of a one-token step
         self.update_params(model)
 
     # ------------------------------------------------------------------ parameters
@@ -229,7 +230,10 @@ class RolloutEngine:
             valid = jnp.ones((batch, 1), bool)
             return self._forward(model, cache, tokens, valid)[1]
 
-        shapes = jax.eval_shape(records, self.state)
+        # The shapes depend on the model config and policy only: traced once per batch size.
+        if batch not in self._record_shapes:
+            self._record_shapes[batch] = jax.eval_shape(records, self.state)
+        shapes = self._record_shapes[batch]
         return {
             name: _record_buffer(
                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g), self.cfg.max_len

@@ -1,0 +1,157 @@
+"""Rollout engine with backend="pallas" (grouped FP4 kernel for the routed experts, in the Pallas
+interpreter on the CPU) against backend="xla" (dequantize + ``ragged_dot``).
+
+The kernel is W4A16, so the model computes in bf16 here (the tiny preset with dtype bf16; with
+a float32 compute dtype the MoE layers fall back to the XLA path: tests/model/test_layers.py).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels.fp4_matmul import Fp4Weight
+from trace_jax import fp4
+from trace_jax.fp4.formats import E2M1_MAX, E4M3_MAX
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+
+CFG = dataclasses.replace(ModelConfig.preset("tiny"), dtype="bfloat16")
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+NEW = 6
+POLICY = QuantPolicy.rollout("nvfp4")  # FP4 expert weights, activations and KV, recorded
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+# NVFP4 global scale amax / (6 * 448) is exactly 2**-15 for this expert amax.
+POW2_AMAX = E2M1_MAX * E4M3_MAX * 2.0**-15
+
+
+def _expert_params(model):
+    for layer in model.layers:
+        if layer.is_moe:
+            for name in EXPERT_PARAMS:
+                yield getattr(layer.mlp, name)
+
+
+def pow2_global_scales(model):
+    """A copy of ``model`` whose every expert's NVFP4 global scale is a power of two.
+
+    Then each dequantized weight ``code * block_scale * global_scale`` has at most 6 significant
+    bits, so the XLA path's bf16 weights are exact, as the kernel's are: both backends multiply
+    the same bf16 activations by the same weights, exactly, and accumulate in float32; they
+    differ only in the order of the float32 sums.
+    """
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    for p in _expert_params(model):
+        w = jnp.clip(p.get_value(), -POW2_AMAX, POW2_AMAX)
+        p.set_value(w.at[:, 0, 0].set(POW2_AMAX))  # each expert's amax
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    base = Transformer(CFG, nnx.Rngs(0))
+    return {"generic": base, "pow2": pow2_global_scales(base)}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """backend -> sampling -> engine (one compile each; weights swapped by update_params)."""
+    samplings = {"sampled": SamplingConfig(), "greedy": SamplingConfig(temperature=0.0)}
+    return {
+        backend: {
+            name: RolloutEngine(
+                models["pow2"],
+                POLICY,
+                RolloutConfig(max_len=16, max_new_tokens=NEW, sampling=s, backend=backend),
+            )
+            for name, s in samplings.items()
+        }
+        for backend in ("xla", "pallas")
+    }
+
+
+def _generate(engines, model, sampling, key):
+    out = {}
+    for backend in ("xla", "pallas"):
+        eng = engines[backend][sampling]
+        eng.update_params(model)
+        out[backend] = eng.generate(PROMPTS, key)
+    return out["xla"], out["pallas"]
+
+
+def _logprobs(state):
+    gen = np.asarray(state.generated)
+    assert gen.sum() == NEW * len(PROMPTS)
+    return np.asarray(state.logprobs)[gen]
+
+
+def test_expert_weights_are_prepacked_once(engines, models, monkeypatch):
+    eng = engines["pallas"]["sampled"]
+    eng.update_params(models["pow2"])
+    ref = engines["xla"]["sampled"]
+    ref.update_params(models["pow2"])
+    state, ref_state = nnx.merge(eng.graphdef, eng.state), nnx.merge(ref.graphdef, ref.state)
+    for p, q in zip(_expert_params(state), _expert_params(ref_state), strict=True):
+        w, qt = p.get_value(), q.get_value()
+        assert isinstance(w, Fp4Weight) and isinstance(qt, fp4.QTensor)
+        # the XLA engine's packed bytes, unchanged; one [E, K, N] weight along K
+        np.testing.assert_array_equal(np.asarray(w.codes), np.asarray(qt.codes))
+        assert w.shape == (CFG.num_experts, *qt.shape) and w.qtensor.axis == 1
+    # nothing is packed while generating
+    monkeypatch.setattr(gm, "prepack_grouped", None)
+    monkeypatch.setattr(gm, "_prepack_arrays", None)
+    eng.generate(PROMPTS, jax.random.key(0))
+    # the training model keeps its float weights
+    for p in _expert_params(models["pow2"]):
+        assert isinstance(p.get_value(), jax.Array)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_pallas_matches_xla_with_exact_weights(engines, models, sampling):
+    for seed in range(2):
+        xla, pallas = _generate(engines, models["pow2"], sampling, jax.random.key(seed))
+        np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
+        np.testing.assert_array_equal(np.asarray(pallas.routes), np.asarray(xla.routes))
+        # Same exact products, float32 sums in another order: a bf16 output can round the
+        # other way only when its float32 sum lies within ~1e-7 relative of a rounding
+        # boundary, and it did not here (the log-probs agree to float32 noise).
+        np.testing.assert_allclose(_logprobs(pallas), _logprobs(xla), rtol=0, atol=1e-5)
+        # and the TRACE guidance recorded at the activation and KV sites is the same
+        assert sorted(pallas.guidance) == sorted(xla.guidance)
+        for name, g in xla.guidance.items():
+            jax.tree.map(np.testing.assert_array_equal, pallas.guidance[name], g)
+
+
+def test_pallas_matches_xla_with_any_nvfp4_weights(engines, models):
+    """Generic global scales: the XLA path rounds every weight ``code * s_b * s_g`` to bf16
+    (relative error <= 2**-9); the kernel keeps ``code * s_b`` exact and applies ``s_g`` to the
+    float32 sum. So expert outputs differ by about one bf16 ulp, and the bf16 forward (with its
+    FP4 activation sites) carries that to the log-probs. Bound: the same size as the XLA engine's
+    own deviation from a full forward of the same model (max ~2e-2 nats over these tokens, mean
+    ~5e-3; measured), with tokens that are not near ties unchanged."""
+    xla, pallas = _generate(engines, models["generic"], "sampled", jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
+    diff = np.abs(_logprobs(pallas) - _logprobs(xla))
+    assert diff.max() < 5e-2 and diff.mean() < 1e-2, (diff.max(), diff.mean())
+    assert diff.max() > 0  # the kernel did run: the XLA path's bf16 weight rounding shows
+
+
+def test_training_forward_is_unaffected(engines, models):
+    """The engines copy the weights: the training model keeps its float expert weights, and its
+    QAT forward (weight sites fake-quantizing the arrays, XLA ragged_dot) is unchanged."""
+    model = models["generic"]
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+    forward = jax.jit(lambda st: nnx.merge(graphdef, st)(tokens, policy=QuantPolicy.qat()).logits)
+    before = forward(state)
+    engines["pallas"]["greedy"].update_params(model)
+    _, after_state = nnx.split(model)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(after_state), strict=True):
+        assert isinstance(b, jax.Array)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(forward(after_state)), np.asarray(before))
