@@ -1,6 +1,8 @@
 """Reasoning task: reward on hand-made completions, demonstrations, determinism, disjoint splits."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trace_jax.config import ConfigError
 from trace_jax.tasks import AnswerProblem, make_task
@@ -129,3 +131,71 @@ def test_index_outside_split_raises():
         task.problem("eval", 10)
     with pytest.raises(ValueError, match="split"):
         task.problem("test", 0)
+
+
+# --- countdown ------------------------------------------------------------------------------
+
+
+def _countdown(numbers=(2, 3, 5), target=25):
+    from trace_jax.tasks.reasoning import CountdownProblem
+
+    return CountdownProblem(
+        id="c", prompt="", numbers=numbers, target=target, solution="(2+3)*5", steps=""
+    )
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("2+3=5\n5*5=25\nAnswer: (2+3)*5", 1.0),
+        ("Answer: 5*(3+2)", 1.0),  # any expression reaching the target counts
+        ("Answer: ((5))*(2+3)", 1.0),
+        ("Answer: 2+3*5", 0.5),  # parses, wrong value (17): the format reward
+        ("Answer: 5*5", 0.5),  # reaches 25 but does not use every number
+        ("Answer: (2+3)*5*1", 0.5),  # uses a number not given
+        ("Answer: (2+3)*5+0", 0.5),
+        ("Answer: (2+3*5", 0.0),  # syntax error
+        ("Answer: 25", 0.5),  # a lone number parses but misses
+        ("Answer: __import__('os')", 0.0),
+        ("Answer: -2+3*5+12", 0.0),  # no unary minus
+        ("(2+3)*5", 0.0),  # no answer line
+        ("Answer: " + "(" * 40 + "2" + ")" * 40, 0.0),  # nested too deeply
+    ],
+)
+def test_countdown_reward_on_hand_made_completions(completion, reward):
+    task = make_task("countdown", format_reward=0.5)
+    assert task.reward(_countdown(), completion) == reward
+
+
+def test_countdown_demonstrations_and_disjoint_splits():
+    task = make_task("countdown", num_numbers=4, max_value=20)
+    train = set()
+    for i in range(300):
+        p = task.problem("train", i)
+        train.add((p.numbers, p.target))
+        assert task.reward(p, task.demonstration(p)) == 1.0
+    for i in range(60):
+        p = task.problem("eval", i)
+        assert (p.numbers, p.target) not in train
+        assert task.reward(p, task.demonstration(p)) == 1.0
+
+
+@given(st.text(max_size=200))
+def test_expression_evaluator_never_raises(text):
+    from trace_jax.tasks.reasoning import evaluate_expression
+
+    result = evaluate_expression(text)
+    assert result is None or isinstance(result[0], int)
+
+
+def test_demonstration_forms():
+    one_op = make_task("reasoning")
+    p = one_op.problem("train", 0)
+    assert one_op.demonstration(p) == f"Answer: {p.answer}"  # the work would repeat the prompt
+    multi = make_task("reasoning", num_operands=3)
+    p = multi.problem("train", 0)
+    lines = multi.demonstration(p).split("\n")
+    assert lines[0].startswith(p.prompt.removeprefix("Compute: ").strip() + "=")
+    assert lines[0].count("=") == 2 and lines[1] == f"Answer: {p.answer}"
+    terse = make_task("reasoning", num_operands=3, show_steps=False)
+    assert terse.demonstration(terse.problem("train", 0)) == f"Answer: {p.answer}"

@@ -16,7 +16,7 @@ from trace_jax.tasks import (
     task_names,
 )
 
-PROCEDURAL = ["reasoning", "coding", "gridworld"]
+PROCEDURAL = ["reasoning", "countdown", "coding", "gridworld"]
 
 
 def test_registry_names():

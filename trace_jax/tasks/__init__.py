@@ -7,7 +7,8 @@
     ids = TOKENIZER.prompt_ids(problem.prompt)          # BOS + prompt bytes
     reward = task.reward(problem, TOKENIZER.completion_text(sampled_ids))
 
-Tasks: ``reasoning`` (arithmetic, ``Answer:`` line), ``coding`` (stack-language programs run by
+Tasks: ``reasoning`` (arithmetic, ``Answer:`` line), ``countdown`` (reach a target),
+``coding`` (stack-language programs run by
 ``interpreter``), ``gridworld`` / ``long_horizon`` (multi-turn), ``jsonl`` / ``gsm8k`` (a file).
 """
 
@@ -31,7 +32,15 @@ from trace_jax.tasks.data import eval_problems, prompt_dataset, prompt_stream
 from trace_jax.tasks.gridworld import GridEnv, GridProblem, GridworldConfig, GridworldTask
 from trace_jax.tasks.interpreter import Limits, RunResult, run_program
 from trace_jax.tasks.jsonl import JsonlConfig, JsonlError, JsonlTask
-from trace_jax.tasks.reasoning import AnswerProblem, ReasoningConfig, ReasoningTask, answer_reward
+from trace_jax.tasks.reasoning import (
+    AnswerProblem,
+    CountdownConfig,
+    CountdownProblem,
+    CountdownTask,
+    ReasoningConfig,
+    ReasoningTask,
+    answer_reward,
+)
 from trace_jax.tasks.tokenizer import BOS, EOS, EOT, PAD, TOKENIZER, ByteTokenizer, TokenizerError
 
 __all__ = [
@@ -47,6 +56,9 @@ __all__ = [
     "CodingConfig",
     "CodingProblem",
     "CodingTask",
+    "CountdownConfig",
+    "CountdownProblem",
+    "CountdownTask",
     "Env",
     "GridEnv",
     "GridProblem",

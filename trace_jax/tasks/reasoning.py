@@ -7,6 +7,9 @@ ends with the answer line::
     3+4*2=3+8=11
     Answer: 11
 
+A single-operation problem's demonstration is the answer line alone (``Answer: 7``): a worked
+line would only repeat the prompt, and the short form is what a tiny model learns fastest.
+
 Reward: 1 if the completion ends with ``Answer: <value>`` and the value equals the problem's
 answer; ``format_reward`` if it ends with a well-formed ``Answer: <number>`` that is wrong;
 0 otherwise. The easiest setting (the default: two operands in 0-9, addition) is learnable by a
@@ -34,8 +37,6 @@ from trace_jax.tasks.base import (
 )
 
 ANSWER_PREFIX = "Answer:"
-# The answer line must end the completion (trailing whitespace allowed).
-_ANSWER_LINE = re.compile(r"(?:^|\n)[ \t]*Answer:[ \t]*([^\n]*?)\s*\Z")
 _OPS = ("+", "-", "*")
 
 
@@ -53,9 +54,14 @@ class AnswerProblem(Problem):
 
 
 def parse_answer(completion: str) -> str | None:
-    """The text after the final ``Answer:`` if it ends the completion, else None."""
-    m = _ANSWER_LINE.search(completion)
-    return m.group(1) if m else None
+    """The text after ``Answer:`` on the last non-blank line, None if that line is no answer.
+
+    The answer line must end the completion (trailing whitespace allowed); linear time.
+    """
+    last = completion.rstrip().rsplit("\n", 1)[-1].lstrip(" \t")
+    if not last.startswith(ANSWER_PREFIX):
+        return None
+    return last[len(ANSWER_PREFIX) :].strip()
 
 
 def normalize_number(text: str) -> Decimal | None:
@@ -100,6 +106,8 @@ class ReasoningConfig:
     max_value: operands are drawn from [0, max_value].
     ops: operators to draw from, a subset of ``+ - *``.
     format_reward: reward for a well-formed but wrong answer, in [0, 1).
+    show_steps: demonstrations of multi-operation problems write the reductions before the
+      answer line (False: the answer line only).
     eval_fraction: share of the problem space held out for eval (by content hash).
     eval_size: number of eval problems (indices 0..eval_size-1; small spaces repeat).
     seed: the problem set's seed (the stream order has its own seed).
@@ -110,6 +118,7 @@ class ReasoningConfig:
     max_value: int = 9
     ops: tuple[str, ...] = ("+",)
     format_reward: float = 0.0
+    show_steps: bool = True
     eval_fraction: float = 0.1
     eval_size: int = 256
     seed: int = 0
@@ -201,7 +210,7 @@ class ReasoningTask:
             id=f"{self.name}/{split}/{index}",
             prompt=f"Compute: {steps[0]}\n",
             answer=steps[-1],
-            solution="=".join(steps),
+            solution="=".join(steps) if c.show_steps and len(steps) > 2 else "",
         )
 
     def reward(self, problem: AnswerProblem, completion: str) -> float:
@@ -211,6 +220,204 @@ class ReasoningTask:
         return answer_demonstration(problem)
 
     def demonstration_turns(self, problem: AnswerProblem) -> list[Turn]:
+        return [Turn("policy", self.demonstration(problem))]
+
+    def env(self, problem: Problem) -> None:
+        return None
+
+
+# --- countdown: reach a target with given numbers -------------------------------------------
+
+_EXPR_TOKEN = re.compile(r"\d+|[-+*()]|\S")
+_MAX_EXPR_CHARS = 256
+_MAX_EXPR_DEPTH = 16
+
+
+def evaluate_expression(text: str) -> tuple[int, list[int]] | None:
+    """Value and literals of an expression over non-negative integers with ``+ - * ( )``.
+
+    Usual precedence, no unary minus. Returns None for anything else (never Python ``eval``):
+    unknown characters, bad syntax, more than 256 characters or nesting deeper than 16.
+    """
+    if len(text) > _MAX_EXPR_CHARS:
+        return None
+    tokens = _EXPR_TOKEN.findall(text)
+    literals: list[int] = []
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def expr(depth: int) -> int:
+        nonlocal pos
+        value = term(depth)
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            rhs = term(depth)
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def term(depth: int) -> int:
+        nonlocal pos
+        value = factor(depth)
+        while peek() == "*":
+            pos += 1
+            value *= factor(depth)
+        return value
+
+    def factor(depth: int) -> int:
+        nonlocal pos
+        tok = peek()
+        if tok is None:
+            raise ValueError("unexpected end")
+        pos += 1
+        if tok == "(":
+            if depth >= _MAX_EXPR_DEPTH:
+                raise ValueError("nested too deeply")
+            value = expr(depth + 1)
+            if peek() != ")":
+                raise ValueError("missing ')'")
+            pos += 1
+            return value
+        if tok.isascii() and tok.isdigit():
+            literals.append(int(tok))
+            return literals[-1]
+        raise ValueError(f"unexpected {tok!r}")
+
+    try:
+        value = expr(0)
+    except ValueError:
+        return None
+    if pos != len(tokens) or not tokens:
+        return None
+    return value, literals
+
+
+@dataclasses.dataclass(frozen=True)
+class CountdownProblem(Problem):
+    """Attributes:
+    numbers: the numbers to combine, each used exactly once.
+    target: the value to reach.
+    solution: a reference expression, e.g. ``"(3+5)*2"``.
+    steps: the reference's worked steps, one operation per line.
+    """
+
+    numbers: tuple[int, ...]
+    target: int
+    solution: str
+    steps: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CountdownConfig:
+    """Attributes:
+    num_numbers: numbers per problem (2-6), each to be used exactly once.
+    max_value: numbers are drawn from [1, max_value].
+    ops: operators to draw the reference solution from (subset of ``+ - *``).
+    format_reward: reward for an answer expression that parses but misses, in [0, 1).
+    eval_fraction, eval_size, seed: as in ``ReasoningConfig``.
+    """
+
+    num_numbers: int = 3
+    max_value: int = 9
+    ops: tuple[str, ...] = ("+", "-", "*")
+    format_reward: float = 0.0
+    eval_fraction: float = 0.1
+    eval_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        require(
+            2 <= self.num_numbers <= 6, "num_numbers", f"must be in [2, 6], got {self.num_numbers}"
+        )
+        require(
+            1 <= self.max_value <= 1000, "max_value", f"must be in [1, 1000], got {self.max_value}"
+        )
+        require(len(self.ops) > 0, "ops", "must name at least one operator")
+        for op in self.ops:
+            require(op in _OPS, "ops", f"{op!r} is not one of {list(_OPS)}")
+        require(
+            0.0 <= self.format_reward < 1.0,
+            "format_reward",
+            f"must be in [0, 1), got {self.format_reward}",
+        )
+        check_eval_fraction(self.eval_fraction)
+        require(self.eval_size >= 1, "eval_size", f"must be >= 1, got {self.eval_size}")
+
+
+@register_task("countdown", config=CountdownConfig)
+class CountdownTask:
+    """Combine the given numbers with ``+ - *`` and parentheses to reach a target.
+
+    Prompt ``"Use 3 5 2 to make 16.\\n"``; demonstration::
+
+        3+5=8
+        8*2=16
+        Answer: (3+5)*2
+
+    Reward 1 if the final answer is an expression using each given number exactly once and
+    evaluating to the target (any such expression counts), ``format_reward`` if it parses but
+    misses, else 0.
+    """
+
+    name = "countdown"
+    multi_turn = False
+
+    def __init__(self, config: CountdownConfig = CountdownConfig()):
+        self.config = config
+
+    def num_problems(self, split: Split) -> int:
+        return UNBOUNDED if check_split(split) == "train" else self.config.eval_size
+
+    def problem(self, split: Split, index: int) -> CountdownProblem:
+        c = self.config
+        index = check_index(index, self.num_problems(check_split(split)), split)
+
+        def generate(rng: random.Random):
+            nums = [rng.randint(1, c.max_value) for _ in range(c.num_numbers)]
+            expr, value, additive, lines = str(nums[0]), nums[0], False, []
+            for n in nums[1:]:
+                op = rng.choice(c.ops)
+                new = value * n if op == "*" else value + n if op == "+" else value - n
+                lines.append(f"{value}{op}{n}={new}")
+                if op == "*" and additive:
+                    expr = f"({expr})"
+                expr, value, additive = f"{expr}{op}{n}", new, op != "*"
+            shown = sorted(nums)
+            key = f"{shown}->{value}"
+            return key, (tuple(shown), value, expr, "\n".join(lines))
+
+        numbers, target, solution, steps = draw_in_split(
+            generate,
+            task=self.name,
+            seed=c.seed,
+            split=split,
+            index=index,
+            eval_fraction=c.eval_fraction,
+        )
+        return CountdownProblem(
+            id=f"{self.name}/{split}/{index}",
+            prompt=f"Use {' '.join(map(str, numbers))} to make {target}.\n",
+            numbers=numbers,
+            target=target,
+            solution=solution,
+            steps=steps,
+        )
+
+    def reward(self, problem: CountdownProblem, completion: str) -> float:
+        answer = parse_answer(completion)
+        result = None if answer is None else evaluate_expression(answer)
+        if result is None:
+            return 0.0
+        value, literals = result
+        ok = value == problem.target and sorted(literals) == sorted(problem.numbers)
+        return 1.0 if ok else self.config.format_reward
+
+    def demonstration(self, problem: CountdownProblem) -> str:
+        return f"{problem.steps}\n{ANSWER_PREFIX} {problem.solution}"
+
+    def demonstration_turns(self, problem: CountdownProblem) -> list[Turn]:
         return [Turn("policy", self.demonstration(problem))]
 
     def env(self, problem: Problem) -> None:
