@@ -1,3 +1,3 @@
 """Importing this package registers every pipeline."""
 
-from experiments.pipelines import fp4_formats, trace_mismatch  # noqa: F401
+from experiments.pipelines import fp4_formats, rl, trace_mismatch  # noqa: F401

@@ -1,0 +1,411 @@
+"""The RL loop: warm start, then rollout -> reward -> guidance cache -> train, with every
+baseline one config value away, metrics, checkpoints and resume.
+
+Training-side modes (``train_mode``): ``bf16`` (no quantization), ``qat`` (RTN fake quant at
+every site), ``trace`` (guided at the guided layers, RTN elsewhere), ``trace_all`` (guided
+everywhere). Rollout precision (``rollout``): ``bf16`` or ``fp4`` (routed-expert weights and
+activations and the KV cache in ``fmt``). A step:
+
+1. the engine takes the parameters of ``staleness`` versions ago (0: the current ones);
+2. it generates ``group_size`` samples for each of ``prompts_per_step`` prompts, recording
+   log-probs, expert routes and, under TRACE, guidance (multi-turn tasks alternate policy
+   turns and environment observations, which are not trained on);
+3. rewards and group advantages; the guidance goes through the ``GuidanceCache`` keyed by
+   (policy version, sample id) and the trainer fetches its batch from it;
+4. one GRPO-family update (``trace_jax.rl.losses``) with routing replay and the
+   trainer-vs-rollout importance correction;
+5. metrics (reward, entropy, length, mismatch, tokens/s, step time, guidance bytes) go to
+   ``metrics.jsonl`` and TensorBoard; checkpoints every ``checkpoint_every`` steps.
+
+A killed run restarts from its last checkpoint (``resume``) and continues exactly: every random
+draw is a function of (seed, step) and the data stream's position is checkpointed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trace_jax.config import ConfigError
+from trace_jax.guidance import GuidanceCache, model_guidance_bytes
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
+from trace_jax.rl import runlog, tasks_io
+from trace_jax.rl.checkpoint import RunCheckpointer
+from trace_jax.rl.losses import LossConfig, group_advantages
+from trace_jax.rl.trainer import RLBatch, Trainer, TrainState
+from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+from trace_jax.tasks import prompt_stream
+
+TrainMode = Literal["bf16", "qat", "trace", "trace_all"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Attributes:
+    name: a registered task ("reasoning", "coding", "long_horizon", "jsonl").
+    args: the task's own knobs (e.g. difficulty), passed to ``make_task``.
+    """
+
+    name: str = "reasoning"
+    args: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start on the task's demonstrations, before RL.
+
+    Attributes:
+      steps: updates (0: none).
+      batch: demonstrations per update.
+      lr: learning rate.
+    """
+
+    steps: int = 0
+    batch: int = 32
+    lr: float = 3e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Attributes:
+    seed: every random draw derives from it and the step.
+    task: which task and its knobs.
+    model: a ``ModelConfig`` preset (random init), unless ``hf_checkpoint`` is set.
+    model_overrides: ``ModelConfig`` fields to change (e.g. ``{num_layers: 2}``).
+    hf_checkpoint: a Qwen3-MoE / Qwen2-MoE checkpoint folder to start from.
+    train_mode: "bf16", "qat", "trace" or "trace_all".
+    rollout: "bf16" or "fp4".
+    fmt: "nvfp4" or "mxfp4".
+    guided_layers: for ``trace``: "last_half" (default) or "last_k" (with ``guided_last_k``).
+    guided_last_k: see ``guided_layers``.
+    steps: RL steps.
+    prompts_per_step, group_size: P prompts, G samples each (B = P * G sequences).
+    max_new_tokens: policy tokens per turn.
+    max_turns: policy turns per episode (multi-turn tasks).
+    temperature, top_p: rollout sampling.
+    lr, weight_decay, grad_clip: AdamW on the RL steps.
+    loss: GRPO-family options.
+    routing_replay: train with the rollout's expert choices.
+    staleness: rollouts come from the parameters of this many versions ago.
+    diagnostic: record full codes on both sides and log per-site code metrics.
+    warm_start: supervised steps before RL.
+    eval_every: evaluate greedily on the eval split every this many RL steps (and at the end).
+    eval_problems: eval problems per evaluation.
+    checkpoint_every: checkpoint every this many steps (and at the end).
+    guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
+    tensorboard: also write TensorBoard event files.
+    plot: write PNG curves at the end.
+    """
+
+    seed: int = 0
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    model: str = "tiny"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    hf_checkpoint: str = ""
+    train_mode: TrainMode = "trace"
+    rollout: Literal["bf16", "fp4"] = "fp4"
+    fmt: Literal["nvfp4", "mxfp4"] = "nvfp4"
+    guided_layers: Literal["last_half", "last_k"] = "last_half"
+    guided_last_k: int = 4
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 16
+    max_turns: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    routing_replay: bool = True
+    staleness: int = 0
+    diagnostic: bool = False
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    eval_every: int = 10
+    eval_problems: int = 64
+    checkpoint_every: int = 10
+    guidance_host_bytes: int = 1 << 30
+    tensorboard: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_turns"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        for key in ("staleness", "eval_problems", "guidance_host_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("eval_every", "checkpoint_every"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        if self.train_mode in ("trace", "trace_all") and self.rollout != "fp4":
+            raise ConfigError(
+                f"train_mode: {self.train_mode} replays FP4 rollout guidance; it needs rollout: fp4"
+            )
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def rollout_policy(cfg: RLConfig) -> QuantPolicy:
+    """What the engine runs: BF16, or FP4 recording guidance at the layers the trainer guides."""
+    if cfg.rollout == "bf16":
+        return QuantPolicy.bf16()
+    if cfg.train_mode in ("trace", "trace_all"):
+        layers = "all" if cfg.train_mode == "trace_all" else cfg.guided_layers
+        return QuantPolicy.rollout(
+            cfg.fmt,
+            guided_layers=layers,
+            guided_last_k=cfg.guided_last_k,
+            record_codes=cfg.diagnostic,
+        )
+    kw = dict(record_codes=cfg.diagnostic, guided_layers="none")
+    return QuantPolicy.rollout(cfg.fmt, **kw) if cfg.diagnostic else QuantPolicy.qat(cfg.fmt)
+
+
+def train_policy(cfg: RLConfig) -> QuantPolicy:
+    """The trainer's forward for ``cfg.train_mode``."""
+    if cfg.train_mode == "bf16":
+        return QuantPolicy.bf16()
+    if cfg.train_mode == "qat":
+        return QuantPolicy.qat(cfg.fmt, record_codes=cfg.diagnostic)
+    layers = "all" if cfg.train_mode == "trace_all" else cfg.guided_layers
+    return QuantPolicy.trace(
+        cfg.fmt, guided_layers=layers, guided_last_k=cfg.guided_last_k, record_codes=cfg.diagnostic
+    )
+
+
+def build_model(cfg: RLConfig, vocab_size: int) -> Transformer:
+    if cfg.hf_checkpoint:
+        _, model = load_hf_checkpoint(cfg.hf_checkpoint)
+        if model.cfg.vocab_size < vocab_size:
+            raise ConfigError(
+                f"hf_checkpoint: vocab_size {model.cfg.vocab_size} < the tokenizer's {vocab_size}"
+            )
+        return model
+    try:
+        mcfg = ModelConfig.preset(cfg.model).replace(**cfg.model_overrides)
+    except TypeError as e:
+        raise ConfigError(f"model_overrides: {e}") from None
+    if mcfg.vocab_size < vocab_size:
+        raise ConfigError(f"model: vocab_size {mcfg.vocab_size} < the tokenizer's {vocab_size}")
+    return Transformer(mcfg, nnx.Rngs(cfg.seed))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class RLRun:
+    """One run: builds everything from the config, then ``run()`` (resuming if a checkpoint
+    exists in ``run_dir``)."""
+
+    def __init__(self, cfg: RLConfig, run_dir: str | Path, *, log=print):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)
+        model = build_model(cfg, self.io.vocab_size)
+        self.model_cfg = model.cfg
+        self.rollout_policy = rollout_policy(cfg)
+        # one optimizer for both phases: the learning rate switches after the warm start
+        schedule = optax.join_schedules(
+            [optax.constant_schedule(cfg.warm_start.lr), optax.constant_schedule(cfg.lr)],
+            [cfg.warm_start.steps],
+        )
+        self.trainer = Trainer(
+            model,
+            train_policy(cfg),
+            cfg.loss,
+            optax.chain(
+                optax.clip_by_global_norm(cfg.grad_clip),
+                optax.adamw(schedule, weight_decay=cfg.weight_decay),
+            ),
+        )
+        self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
+        kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
+        rollout_cfg = RolloutConfig(
+            max_len=self.max_len,
+            max_new_tokens=cfg.max_new_tokens,
+            kv_cache=kv,
+            sampling=SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p),
+            stop_tokens=self.io.stop_tokens,
+            pad_token=self.io.pad_id,
+            fp4_weights=cfg.rollout == "fp4",
+        )
+        self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
+        greedy = dataclasses.replace(rollout_cfg, sampling=SamplingConfig(temperature=0.0))
+        self.eval_engine = RolloutEngine(model, self.rollout_policy, greedy)
+        self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _key(self, step: int, what: int) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), what)
+
+    def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array):
+        """Generate for ``problems`` (one sequence each), running environments if multi-turn.
+        Returns (state, rewards [B])."""
+        return self.io.rollout(engine, problems, key, self.cfg.max_turns)
+
+    def evaluate(self, params, step: int) -> dict[str, float]:
+        """Greedy rollouts on the eval split with the rollout's precision: mean reward."""
+        n = self.cfg.eval_problems
+        if n == 0:
+            return {}
+        self.eval_engine.update_params(self.trainer.model(params), version=step)
+        problems = [self.io.problem("eval", i) for i in range(n)]
+        _, rewards = self.rollout(self.eval_engine, problems, self._key(step, 2))
+        return {"eval/reward": float(np.mean(rewards))}
+
+    def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
+        tokens, mask = self.io.demonstrations(problems, self.max_len)
+        return self.trainer.sft_step(state, tokens, mask)
+
+    def rl_step(
+        self, state: TrainState, rollout_params, step: int, problems: list, cache: GuidanceCache
+    ):
+        cfg = self.cfg
+        p, g = cfg.prompts_per_step, cfg.group_size
+        rl_index = step - cfg.warm_start.steps
+        version = max(rl_index - cfg.staleness, 0)
+        batch_problems = [pr for pr in problems for _ in range(g)]
+        t0 = time.perf_counter()
+        self.engine.update_params(self.trainer.model(rollout_params), version=version)
+        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1))
+        jax.block_until_ready(rs.tokens)
+        rollout_s = time.perf_counter() - t0
+        adv = group_advantages(jnp.asarray(rewards.reshape(p, g)), cfg.loss.advantage)
+
+        ids = [f"{step}/{i}" for i in range(p * g)]
+        guidance = {}
+        if rs.guidance:
+            cache.put_batch(version, ids, rs.guidance)
+            guidance = jax.tree.map(jnp.asarray, cache.get(version, ids))
+            cache.evict(version_below=version + 1)
+        filled = jnp.arange(self.max_len)[None] < rs.lengths[:, None]
+        batch = RLBatch(
+            tokens=rs.tokens,
+            filled=filled,
+            loss_mask=rs.generated,
+            rollout_logp=rs.logprobs,
+            advantages=adv.reshape(-1),
+            routes=jnp.moveaxis(rs.routes, 2, 0) if cfg.routing_replay else None,
+            guidance=guidance,
+        )
+        t1 = time.perf_counter()
+        state, m = self.trainer.rl_step(state, batch)
+        m = {k: float(v) for k, v in m.items()}
+        train_s = time.perf_counter() - t1
+        generated = int(rs.generated.sum())
+        m.update(
+            {
+                "reward": float(rewards.mean()),
+                "response_length": generated / (p * g),
+                "rollout/tokens_per_s": generated / rollout_s,
+                "rollout/s": rollout_s,
+                "train/step_s": train_s,
+                "policy_version_lag": float(rl_index - version),
+            }
+        )
+        if self.rollout_policy.expert_acts == "record" or self.rollout_policy.kv == "record":
+            m.update(self.guidance_bytes.metrics())
+        return state, m
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        total = cfg.warm_start.steps + cfg.steps
+        ckpt = RunCheckpointer(self.run_dir / "checkpoints")
+        state = self.trainer.init()
+        history = [state.params] * cfg.staleness  # parameters of the last versions, oldest first
+        streams = {  # grain prompt streams; their positions are checkpointed
+            "sft_stream": prompt_stream(
+                self.io.task, "train", batch_size=cfg.warm_start.batch, seed=cfg.seed
+            ),
+            "rl_stream": prompt_stream(
+                self.io.task, "train", batch_size=cfg.prompts_per_step, seed=cfg.seed + 1
+            ),
+        }
+        start = 0
+        latest = ckpt.latest_step()
+        if latest is not None:
+            (state, history), meta = ckpt.restore(latest, (state, history))
+            start = int(meta["next_step"])
+            for name, stream in streams.items():
+                stream.set_state(meta[name])
+            self.log(f"resuming from the checkpoint of step {latest}")
+        logger = runlog.MetricsLog(
+            self.run_dir,
+            resume_step=start - 1 if latest is not None else None,
+            tensorboard=cfg.tensorboard,
+        )
+        spill = self.run_dir / "guidance_spill"
+        if spill.exists():  # leftovers of a killed run: records are recomputed, never reused
+            for f in sorted(spill.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+        cache = GuidanceCache(spill, host_budget_bytes=cfg.guidance_host_bytes)
+        progress = runlog.Progress(total, "train", start=start)
+        last: dict[str, float] = {}
+        for step in range(start, total):
+            if step < cfg.warm_start.steps:
+                state, m = self.warm_start_step(state, next(streams["sft_stream"]))
+                m = {k: float(v) for k, v in m.items()}
+            else:
+                before = {}
+                if step == cfg.warm_start.steps:  # the policy RL starts from
+                    before = {
+                        k.replace("eval/reward", "eval/reward_start"): v
+                        for k, v in self.evaluate(state.params, step).items()
+                    }
+                rollout_params = history[0] if history else state.params
+                problems = next(streams["rl_stream"])
+                new_state, m = self.rl_step(state, rollout_params, step, problems, cache)
+                if history:
+                    history = [*history[1:], state.params]
+                state = new_state
+                m.update(before)
+                rl_done = step - cfg.warm_start.steps + 1
+                if rl_done % cfg.eval_every == 0 or step == total - 1:
+                    m.update(self.evaluate(state.params, step))
+            logger.write(step, m)
+            last = m
+            info = " ".join(f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m)
+            progress.update(step + 1, info)
+            if (step + 1) % cfg.checkpoint_every == 0 or step == total - 1:
+                meta = {name: stream.get_state() for name, stream in streams.items()}
+                ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
+        cache.close()
+        logger.close()
+        ckpt.close()
+        self.final_state = state
+        records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
+        if cfg.plot:
+            runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
+        return {"last": last, "records": len(records)}
+
+
+PROGRESS_KEYS = {
+    "sft/loss": "sft_loss",
+    "reward": "reward",
+    "eval/reward": "eval_reward",
+    "mismatch/logp_abs": "logp_abs",
+}
+PLOT_KEYS = (
+    "reward",
+    "eval/reward",
+    "mismatch/logp_abs",
+    "mismatch/kl_k3",
+    "train/entropy",
+    "response_length",
+    "sft/loss",
+)

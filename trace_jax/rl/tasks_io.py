@@ -1,0 +1,154 @@
+"""Between tasks (text) and the rollout engine and trainer (tokens).
+
+``TaskIO`` turns problems into prompt tokens, runs single-turn generation or multi-turn episodes
+(the policy's turns are decoded by the engine, the environment's observations appended as
+tokens the policy did not generate), scores completions, and lays out demonstrations for the
+supervised warm start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.config import ConfigError
+from trace_jax.rollout import RolloutEngine, RolloutState
+from trace_jax.tasks import TOKENIZER, Problem, demonstration_tokens, make_task
+from trace_jax.tasks.tokenizer import EOS, EOT
+
+_PROBE = 64  # problems per split whose sizes bound the sequence length
+
+
+class TaskIO:
+    """Args:
+    name: a registered task name.
+    args: the task's knobs.
+    """
+
+    def __init__(self, name: str, args: dict):
+        self.task = make_task(name, **args)
+        self.tok = TOKENIZER
+        self.vocab_size = self.tok.vocab_size
+        self.pad_id = self.tok.pad_id
+        self.multi_turn = bool(self.task.multi_turn)
+        self.stop_tokens = (EOT,) if self.multi_turn else (EOS,)
+
+    # ------------------------------------------------------------------ problems and sizes
+
+    def problem(self, split: str, index: int) -> Problem:
+        """Problem ``index`` of ``split`` (cycling through a finite split)."""
+        return self.task.problem(split, index % self.task.num_problems(split))
+
+    def max_len(self, max_new_tokens: int, max_turns: int) -> int:
+        """Slots per sequence: the longest probed prompt and demonstration, plus the turns'
+        budgets (and, multi-turn, the longest observation per turn)."""
+        probes = [self.problem(s, i) for s in ("train", "eval") for i in range(_PROBE)]
+        prompt = max(len(self.tok.prompt_ids(p.prompt)) for p in probes)
+        demo = max(len(demonstration_tokens(self.task, p)[0]) for p in probes)
+        if not self.multi_turn:
+            return max(prompt + max_new_tokens, demo)
+        obs = max(
+            len(self.tok.encode(t.text))
+            for p in probes
+            for t in self.task.demonstration_turns(p)
+            if t.role == "env"
+        )
+        return max(prompt + max_turns * (max_new_tokens + obs), demo)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _prompts(self, problems: list[Problem]) -> tuple[jax.Array, jax.Array]:
+        ids = [self.tok.prompt_ids(p.prompt) for p in problems]
+        width = max(len(i) for i in ids)
+        tokens = np.full((len(ids), width), self.pad_id, np.int32)
+        valid = np.zeros((len(ids), width), bool)
+        for b, row in enumerate(ids):
+            tokens[b, : len(row)] = row
+            valid[b, : len(row)] = True
+        return jnp.asarray(tokens), jnp.asarray(valid)
+
+    def completion(self, state: RolloutState, b: int, start: int, end: int) -> str:
+        """The text the policy generated in slots [start, end) of sequence ``b`` (stop tokens
+        and any non-text ids dropped)."""
+        ids = np.asarray(state.tokens[b, start:end])
+        gen = np.asarray(state.generated[b, start:end])
+        return self.tok.decode(ids[gen], errors="replace")
+
+    def rollout(
+        self, engine: RolloutEngine, problems: list[Problem], key: jax.Array, max_turns: int
+    ) -> tuple[RolloutState, np.ndarray]:
+        """Generate one sequence per problem. Returns the final state and rewards [B] float32."""
+        tokens, valid = self._prompts(problems)
+        if tokens.shape[1] >= engine.cfg.max_len:
+            raise ConfigError(
+                f"max_new_tokens: a prompt of {tokens.shape[1]} tokens leaves no room in "
+                f"max_len={engine.cfg.max_len}"
+            )
+        state = engine.append(engine.start(len(problems)), tokens, valid)
+        starts = np.asarray(state.lengths)
+        if not self.multi_turn:
+            state = engine.decode(state, key)
+            ends = np.asarray(state.lengths)
+            rewards = [
+                self.task.reward(p, self.completion(state, b, starts[b], ends[b]))
+                for b, p in enumerate(problems)
+            ]
+            return state, np.asarray(rewards, np.float32)
+        return self._episodes(engine, problems, state, key, max_turns)
+
+    def _episodes(self, engine, problems, state, key, max_turns):
+        b_size, max_len = len(problems), engine.cfg.max_len
+        envs = [self.task.env(p) for p in problems]
+        for env, p in zip(envs, problems, strict=True):
+            env.reset(p)
+        finished = np.zeros(b_size, bool)
+        rewards = np.zeros(b_size, np.float32)
+        for turn in range(max_turns):
+            before = np.asarray(state.lengths)
+            state = engine.decode(
+                dataclasses.replace(state, done=jnp.asarray(finished)),
+                jax.random.fold_in(key, turn),
+            )
+            after = np.asarray(state.lengths)
+            observations = []
+            for b, env in enumerate(envs):
+                if finished[b]:
+                    observations.append([])
+                    continue
+                obs, done, reward = env.step(self.completion(state, b, before[b], after[b]))
+                ids = self.tok.encode(obs)
+                if done or after[b] + len(ids) >= max_len:  # no room for another turn: ends
+                    finished[b] = True
+                    rewards[b] = reward if done else 0.0
+                    ids = []
+                observations.append(ids)
+            if finished.all() or turn == max_turns - 1:
+                break
+            width = max(1, max(len(o) for o in observations))
+            obs_tokens = np.full((b_size, width), self.pad_id, np.int32)
+            obs_valid = np.zeros((b_size, width), bool)
+            for b, ids in enumerate(observations):
+                obs_tokens[b, : len(ids)] = ids
+                obs_valid[b, : len(ids)] = True
+            state = engine.append(state, jnp.asarray(obs_tokens), jnp.asarray(obs_valid))
+        return state, rewards
+
+    # ------------------------------------------------------------------ warm start
+
+    def demonstrations(self, problems: list[Problem], max_len: int) -> tuple[jax.Array, jax.Array]:
+        """Demonstration episodes as (tokens [B, max_len] int32, loss mask [B, max_len] bool)."""
+        tokens = np.full((len(problems), max_len), self.pad_id, np.int32)
+        mask = np.zeros((len(problems), max_len), bool)
+        for b, p in enumerate(problems):
+            ids, m = demonstration_tokens(self.task, p)
+            if len(ids) > max_len:
+                raise ConfigError(
+                    f"max_new_tokens: the demonstration of {p.id} has {len(ids)} tokens, more "
+                    f"than max_len={max_len}"
+                )
+            tokens[b, : len(ids)] = ids
+            mask[b, : len(ids)] = m
+        return jnp.asarray(tokens), jnp.asarray(mask)
