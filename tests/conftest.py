@@ -1,6 +1,9 @@
-"""Suite-wide settings: GPU-marked tests skip (reported) without a GPU; the hypothesis profile."""
+"""Suite-wide settings: GPU-marked tests skip (reported) without a GPU; the hypothesis profile;
+a persistent compilation cache, so that programs compiled again (a resumed run, a second engine
+of the same shapes) are loaded instead."""
 
 import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -14,6 +17,12 @@ settings.register_profile(
     derandomize=bool(os.environ.get("CI")),
 )
 settings.load_profile("trace")
+
+jax.config.update(
+    "jax_compilation_cache_dir", str(Path(__file__).parents[1] / ".pytest_cache" / "jax-cache")
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def has_gpu() -> bool:

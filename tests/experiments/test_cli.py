@@ -39,10 +39,17 @@ def test_every_config_file_resolves():
     from pathlib import Path
 
     from experiments.__main__ import resolve
+    from trace_jax.rl.loop import RLConfig
+    from trace_jax.rl.tasks_io import TaskIO
 
-    for path in sorted(Path("configs").glob("*.yaml")):
+    paths = sorted(Path("configs").rglob("*.yaml"))
+    assert len(paths) >= 3 + 3 * 6
+    for path in paths:
         exp, cfg = resolve(str(path), [])
         assert exp.config_cls is type(cfg)
+        if isinstance(cfg, RLConfig):  # the task and its knobs exist, sequences fit
+            io = TaskIO(cfg.task.name, cfg.task.args)
+            assert io.max_len(cfg.max_new_tokens, cfg.max_turns) > cfg.max_new_tokens
 
 
 def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys):
@@ -69,3 +76,41 @@ def test_bench_scripts_print_their_tables(capsys):
     assert rows[2]["cache_bytes"] < rows[0]["cache_bytes"] / 2
     out = capsys.readouterr().out
     assert "qwen3-30b-a3b" in out and "full/compact" in out
+
+
+SMALL_RL = [
+    "steps=2",
+    "warm_start.steps=1",
+    "warm_start.batch=2",
+    "prompts_per_step=2",
+    "group_size=2",
+    "eval_every=2",
+    "eval_problems=2",
+    "tensorboard=false",
+    "model_overrides={num_layers: 2, dtype: bfloat16}",
+]
+
+
+def test_rl_experiments_run_on_each_task_and_compare(tmp_path, capsys):
+    runs = []
+    for config, extra in [
+        ("configs/coding/fp4_qat.yaml", []),
+        (
+            "configs/long_horizon/fp4_trace.yaml",
+            ["max_turns=3", "task.args.max_turns=3", "task.args.min_path=2"],
+        ),
+        ("configs/reasoning/ptq_eval.yaml", ["ptq_scale_rules=[four_over_six]"]),
+    ]:
+        run_dir = tmp_path / config.replace("/", "_")
+        assert main(["run", config, *SMALL_RL, *extra, "--run-dir", str(run_dir)]) == 0, config
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+        assert (run_dir / "curves.png").stat().st_size > 0
+        runs.append(str(run_dir))
+    results = json.loads(
+        (tmp_path / "configs_reasoning_ptq_eval.yaml" / "results.json").read_text()
+    )
+    assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
+    assert main(["compare", *runs, "--out", str(tmp_path / "cmp.png")]) == 0
+    out = capsys.readouterr().out
+    assert "fp4_qat (fp4 rollout, qat train)" in out and (tmp_path / "cmp.png").stat().st_size > 0

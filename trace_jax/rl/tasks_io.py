@@ -29,7 +29,13 @@ class TaskIO:
     """
 
     def __init__(self, name: str, args: dict):
-        self.task = make_task(name, **args)
+        try:
+            self.task = make_task(name, **args)
+        except ConfigError as e:
+            message = str(e)
+            raise ConfigError(
+                message if message.startswith("task.") else f"task.args.{message}"
+            ) from None
         self.tok = TOKENIZER
         self.vocab_size = self.tok.vocab_size
         self.pad_id = self.tok.pad_id
