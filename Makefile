@@ -32,7 +32,7 @@ $(REF_VENV)/.installed: Makefile
 ref-env: $(REF_VENV)/.installed
 
 run: $(VENV)/.installed
-	$(PY) -m experiments run configs/default.yaml $(ARGS)
+	$(PY) -m experiments run configs/quickstart.yaml $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -216,20 +216,18 @@ class RLRun:
         model = build_model(cfg, self.io.vocab_size)
         self.model_cfg = model.cfg
         self.rollout_policy = rollout_policy(cfg)
-        # one optimizer for both phases: the learning rate switches after the warm start
-        schedule = optax.join_schedules(
-            [optax.constant_schedule(cfg.warm_start.lr), optax.constant_schedule(cfg.lr)],
-            [cfg.warm_start.steps],
-        )
-        self.trainer = Trainer(
-            model,
-            train_policy(cfg),
-            cfg.loss,
-            optax.chain(
+
+        # Warm start and RL have their own AdamW (same state structure); RL starts from a
+        # fresh optimizer state, as the warm start's moments describe another objective.
+        def adamw(lr):
+            return optax.chain(
                 optax.clip_by_global_norm(cfg.grad_clip),
-                optax.adamw(schedule, weight_decay=cfg.weight_decay),
-            ),
-        )
+                optax.adamw(lr, weight_decay=cfg.weight_decay),
+            )
+
+        policy = train_policy(cfg)
+        self.trainer = Trainer(model, policy, cfg.loss, adamw(cfg.lr))
+        self.sft_trainer = Trainer(model, policy, cfg.loss, adamw(cfg.warm_start.lr))
         self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
         rollout_cfg = RolloutConfig(
@@ -268,7 +266,7 @@ class RLRun:
 
     def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
         tokens, mask = self.io.demonstrations(problems, self.max_len)
-        return self.trainer.sft_step(state, tokens, mask)
+        return self.sft_trainer.sft_step(state, tokens, mask)
 
     def rl_step(
         self, state: TrainState, rollout_params, step: int, problems: list, cache: GuidanceCache
@@ -363,6 +361,8 @@ class RLRun:
             else:
                 before = {}
                 if step == cfg.warm_start.steps:  # the policy RL starts from
+                    state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
+                    history = [state.params] * cfg.staleness
                     before = {
                         k.replace("eval/reward", "eval/reward_start"): v
                         for k, v in self.evaluate(state.params, step).items()
