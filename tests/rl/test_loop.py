@@ -31,6 +31,8 @@ def small(**kw) -> loop.RLConfig:
         eval_problems=2,
         checkpoint_every=2,
         guidance_host_bytes=0,  # every guidance record goes through a tensorstore spill
+        staleness=1,
+        diagnostic=True,
         plot=False,
     )
     return from_dict(loop.RLConfig, {**base, **kw})
@@ -55,6 +57,11 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     assert [r["step"] for r in want] == list(range(6))
     assert "sft/loss" in want[0] and "mismatch/logp_abs" in want[2] and "eval/reward" in want[3]
     assert want[2]["guidance/bytes_per_token"] > 0
+    # one version stale: the first RL step samples with the warm-started parameters, as does
+    # the second; diagnostic mode logs per-site code metrics of the guided layer
+    assert [r["policy_version_lag"] for r in want[2:]] == [0, 1, 1, 1]
+    assert want[2]["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/kv.k/0" in want[2]
+    assert want[2]["mismatch/route_rate"] == 0.0  # routing replay
 
     # Kill the second run inside step 4, after the checkpoint of step 3.
     real_step = loop.RLRun.rl_step

@@ -226,7 +226,7 @@ class RLRun:
             )
 
         policy = train_policy(cfg)
-        self.trainer = Trainer(model, policy, cfg.loss, adamw(cfg.lr))
+        self.trainer = Trainer(model, policy, cfg.loss, adamw(cfg.lr), cfg.routing_replay)
         self.sft_trainer = Trainer(model, policy, cfg.loss, adamw(cfg.warm_start.lr))
         self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
@@ -288,7 +288,7 @@ class RLRun:
         if rs.guidance:
             cache.put_batch(version, ids, rs.guidance)
             guidance = jax.tree.map(jnp.asarray, cache.get(version, ids))
-            cache.evict(version_below=version + 1)
+            cache.evict(version_below=version)  # older versions are never trained on again
         filled = jnp.arange(self.max_len)[None] < rs.lengths[:, None]
         batch = RLBatch(
             tokens=rs.tokens,
@@ -296,7 +296,7 @@ class RLRun:
             loss_mask=rs.generated,
             rollout_logp=rs.logprobs,
             advantages=adv.reshape(-1),
-            routes=jnp.moveaxis(rs.routes, 2, 0) if cfg.routing_replay else None,
+            routes=jnp.moveaxis(rs.routes, 2, 0),
             guidance=guidance,
         )
         t1 = time.perf_counter()
@@ -325,7 +325,7 @@ class RLRun:
         total = cfg.warm_start.steps + cfg.steps
         ckpt = RunCheckpointer(self.run_dir / "checkpoints")
         state = self.trainer.init()
-        history = [state.params] * cfg.staleness  # parameters of the last versions, oldest first
+        history = [_copy(state.params)] * cfg.staleness  # the last versions' params, oldest first
         streams = {  # grain prompt streams; their positions are checkpointed
             "sft_stream": prompt_stream(
                 self.io.task, "train", batch_size=cfg.warm_start.batch, seed=cfg.seed
@@ -362,17 +362,16 @@ class RLRun:
                 before = {}
                 if step == cfg.warm_start.steps:  # the policy RL starts from
                     state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
-                    history = [state.params] * cfg.staleness
+                    history = [_copy(state.params)] * cfg.staleness
                     before = {
                         k.replace("eval/reward", "eval/reward_start"): v
                         for k, v in self.evaluate(state.params, step).items()
                     }
                 rollout_params = history[0] if history else state.params
+                if history:  # this version, for the rollouts `staleness` steps from now
+                    history = [*history[1:], _copy(state.params)]
                 problems = next(streams["rl_stream"])
-                new_state, m = self.rl_step(state, rollout_params, step, problems, cache)
-                if history:
-                    history = [*history[1:], state.params]
-                state = new_state
+                state, m = self.rl_step(state, rollout_params, step, problems, cache)
                 m.update(before)
                 rl_done = step - cfg.warm_start.steps + 1
                 if rl_done % cfg.eval_every == 0 or step == total - 1:
@@ -392,6 +391,11 @@ class RLRun:
         if cfg.plot:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
         return {"last": last, "records": len(records)}
+
+
+def _copy(tree):
+    """A copy of arrays that a donating step would otherwise invalidate."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 PROGRESS_KEYS = {

@@ -54,7 +54,8 @@ class RLBatch:
       loss_mask: [B, S] bool, tokens the policy sampled (environment tokens excluded).
       rollout_logp: [B, S] float32, the log-probs the rollout sampled with.
       advantages: [B] float32.
-      routes: [L_moe, B, S, k] int32 recorded experts (routing replay), or None.
+      routes: [L_moe, B, S, k] int32 the rollout's experts (replayed when the trainer does
+        routing replay; else compared with the trainer's own: ``mismatch/route_rate``), or None.
       guidance: site name -> the rollout's records [B, S, ...] (guided sites; in diagnostic mode
         also ``<site>.codes``).
       ref_logp: [B, S] reference-policy log-probs, or None.
@@ -93,6 +94,7 @@ class Trainer:
       policy: the training-side quantization policy.
       loss: the RL loss options.
       optimizer: an optax transformation.
+      routing_replay: use the batch's recorded experts in the forward (Rollout Routing Replay).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class Trainer:
         policy: QuantPolicy,
         loss: losses.LossConfig,
         optimizer: optax.GradientTransformation,
+        routing_replay: bool = True,
     ):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self._params = params
@@ -108,6 +111,7 @@ class Trainer:
         self.policy = policy
         self.loss = loss
         self.optimizer = optimizer
+        self.routing_replay = routing_replay
 
     def init(self, params=None) -> TrainState:
         # a copy: the steps donate the state, and the model passed in keeps its own arrays
@@ -128,7 +132,7 @@ class Trainer:
             attention_mask=batch.filled,
             policy=policy,
             guidance=guidance,
-            replay_routes=batch.routes,
+            replay_routes=batch.routes if self.routing_replay else None,
         )
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -174,6 +178,10 @@ class Trainer:
         m = dict(aux)
         m.update(metrics.logp_mismatch(logp, batch.rollout_logp, batch.loss_mask))
         m.update(metrics.site_mismatch(out.records, batch.guidance, batch.filled))
+        if batch.routes is not None and out.routes is not None:
+            m["mismatch/route_rate"] = jnp.mean(
+                metrics.route_mismatch(out.routes, batch.routes, batch.loss_mask)
+            )
         h = entropy(out.logits)
         m["train/entropy"] = losses.aggregate(h, batch.loss_mask, "token")
         m["train/grad_norm"] = grad_norm
