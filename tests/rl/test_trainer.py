@@ -126,7 +126,7 @@ def test_warm_start_lowers_the_supervised_loss_without_guidance():
     assert losses[-1] < losses[0] / 2, losses
 
 
-def test_two_device_sharded_rl_step_equals_one_device():
+def test_two_device_sharded_rl_step_equals_one_device_and_the_loop_runs_sharded():
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -138,4 +138,4 @@ def test_two_device_sharded_rl_step_equals_one_device():
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "sharded RL step OK" in proc.stdout
+    assert "sharded RL step OK" in proc.stdout and "sharded RL loop OK" in proc.stdout

@@ -33,10 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from trace_jax.config import ConfigError
 from trace_jax.guidance import GuidanceCache, model_guidance_bytes
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
+from trace_jax.model import (
+    ModelConfig,
+    QuantPolicy,
+    Transformer,
+    load_hf_checkpoint,
+    make_mesh,
+    shard_model,
+)
 from trace_jax.rl import runlog, tasks_io
 from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.losses import LossConfig, group_advantages
@@ -101,6 +109,8 @@ class RLConfig:
     eval_problems: eval problems per evaluation.
     checkpoint_every: checkpoint every this many steps (and at the end).
     guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
+    mesh_data, mesh_expert: device mesh (data x expert): experts are split over ``expert``, the
+      batch over ``data`` (1 x 1: one device).
     tensorboard: also write TensorBoard event files.
     plot: write PNG curves at the end.
     """
@@ -134,6 +144,8 @@ class RLConfig:
     eval_problems: int = 64
     checkpoint_every: int = 10
     guidance_host_bytes: int = 1 << 30
+    mesh_data: int = 1
+    mesh_expert: int = 1
     tensorboard: bool = True
     plot: bool = True
 
@@ -144,9 +156,15 @@ class RLConfig:
         for key in ("staleness", "eval_problems", "guidance_host_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
-        for key in ("eval_every", "checkpoint_every"):
+        for key in ("eval_every", "checkpoint_every", "mesh_data", "mesh_expert"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        for key, batch in (
+            ("prompts_per_step", self.prompts_per_step * self.group_size),
+            ("warm_start.batch", self.warm_start.batch),
+        ):
+            if batch % self.mesh_data:
+                raise ConfigError(f"{key}: its batch {batch} does not split over mesh_data")
         if self.train_mode in ("trace", "trace_all") and self.rollout != "fp4":
             raise ConfigError(
                 f"train_mode: {self.train_mode} replays FP4 rollout guidance; it needs rollout: fp4"
@@ -214,6 +232,20 @@ class RLRun:
         self.log = log
         self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)
         model = build_model(cfg, self.io.vocab_size)
+        self.mesh = None
+        if cfg.mesh_data * cfg.mesh_expert > 1:
+            if cfg.mesh_data * cfg.mesh_expert > jax.device_count():
+                raise ConfigError(
+                    f"mesh_data x mesh_expert: {cfg.mesh_data} x {cfg.mesh_expert} devices "
+                    f"asked for, {jax.device_count()} present"
+                )
+            if model.cfg.num_experts % cfg.mesh_expert:
+                raise ConfigError(
+                    f"mesh_expert: {cfg.mesh_expert} does not divide the "
+                    f"{model.cfg.num_experts} experts"
+                )
+            self.mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert)
+            model = shard_model(model, self.mesh)
         self.model_cfg = model.cfg
         self.rollout_policy = rollout_policy(cfg)
 
@@ -264,8 +296,20 @@ class RLRun:
         _, rewards = self.rollout(self.eval_engine, problems, self._key(step, 2))
         return {"eval/reward": float(np.mean(rewards))}
 
+    def _place(self, tree, batch_axis: int = 0):
+        """Put [B, ...] arrays of a batch on the mesh, split over ``data`` (no-op on one device)."""
+        if self.mesh is None:
+            return tree
+
+        def put(a):
+            spec = [None] * a.ndim
+            spec[batch_axis] = "data"
+            return jax.device_put(a, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+        return jax.tree.map(put, tree)
+
     def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
-        tokens, mask = self.io.demonstrations(problems, self.max_len)
+        tokens, mask = self._place(self.io.demonstrations(problems, self.max_len))
         return self.sft_trainer.sft_step(state, tokens, mask)
 
     def rl_step(
@@ -296,8 +340,10 @@ class RLRun:
             loss_mask=rs.generated,
             rollout_logp=rs.logprobs,
             advantages=adv.reshape(-1),
-            routes=jnp.moveaxis(rs.routes, 2, 0),
             guidance=guidance,
+        )
+        batch = dataclasses.replace(
+            self._place(batch), routes=self._place(jnp.moveaxis(rs.routes, 2, 0), batch_axis=1)
         )
         t1 = time.perf_counter()
         state, m = self.trainer.rl_step(state, batch)
@@ -321,6 +367,12 @@ class RLRun:
     # ------------------------------------------------------------------ driver
 
     def run(self) -> dict[str, Any]:
+        if self.mesh is None:
+            return self._run()
+        with jax.set_mesh(self.mesh):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = cfg.warm_start.steps + cfg.steps
         ckpt = RunCheckpointer(self.run_dir / "checkpoints")
