@@ -131,9 +131,10 @@ def quickstart(cfg: QuickstartConfig, run_dir: Path) -> dict:
     train = [r["reward"] for r in records if "reward" in r]
     k = max(1, len(train) // 5)
     comparison = compare_trainers(run, run.final_state.params, 10**6, cfg.compare_prompts)
+    split = cfg.eval_split
     table = {
-        "eval reward before RL (after warm start)": start,
-        "eval reward after RL": end[-1] if end else None,
+        f"greedy reward ({split} split) before RL": start,
+        f"greedy reward ({split} split) after RL": end[-1] if end else None,
         f"train reward, first {k} steps": float(np.mean(train[:k])) if train else None,
         f"train reward, last {k} steps": float(np.mean(train[-k:])) if train else None,
     }

@@ -107,6 +107,8 @@ class RLConfig:
     warm_start: supervised steps before RL.
     eval_every: evaluate greedily on the eval split every this many RL steps (and at the end).
     eval_problems: eval problems per evaluation.
+    eval_split: the split evaluated: "eval" (held out) or "train" (the first training problems;
+      for tasks so small that a tiny model can only memorise them).
     checkpoint_every: checkpoint every this many steps (and at the end).
     guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
     mesh_data, mesh_expert: device mesh (data x expert): experts are split over ``expert``, the
@@ -142,6 +144,7 @@ class RLConfig:
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     eval_every: int = 10
     eval_problems: int = 64
+    eval_split: Literal["eval", "train"] = "eval"
     checkpoint_every: int = 10
     guidance_host_bytes: int = 1 << 30
     mesh_data: int = 1
@@ -292,7 +295,7 @@ class RLRun:
         if n == 0:
             return {}
         self.eval_engine.update_params(self.trainer.model(params), version=step)
-        problems = [self.io.problem("eval", i) for i in range(n)]
+        problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
         _, rewards = self.rollout(self.eval_engine, problems, self._key(step, 2))
         return {"eval/reward": float(np.mean(rewards))}
 
