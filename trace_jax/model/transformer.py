@@ -79,9 +79,9 @@ class Attention(nnx.Module):
         Args:
           x: [B, T, H]; positions: [B, T] int32.
           mask: [B, T, T] bool (used without a cache).
-          kv_access: None, or ``fn(layer, (k, v), (k_codes, v_codes), positions) ->
-            (k_all, v_all, mask [B, T, S], new_state)`` that stores the chunk's K/V and returns
-            everything to attend over (see ``trace_jax.rollout``).
+          kv_access: None, or ``fn(layer, q [B, T, Hq, D], (k, v), (k_codes, v_codes),
+            positions) -> (out [B, T, Hq, D], new_state)`` that stores the chunk's K/V in a
+            cache and attends over it (see ``trace_jax.rollout``).
         Returns:
           ([B, T, H], the chunk's (k, v) without a cache, else the hook's new state)
         """
@@ -93,10 +93,10 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
         q = layers.rope(q, positions, cfg.rope_theta)
         (k, v), codes = self.project_kv(x, positions, sites, layer)
-        state = (k, v)
         if kv_access is not None:
-            k, v, mask, state = kv_access(layer, (k, v), codes, positions)
-        out = layers.attention(q, k.astype(dt), v.astype(dt), mask)
+            out, state = kv_access(layer, q, (k, v), codes, positions)
+        else:
+            out, state = layers.attention(q, k.astype(dt), v.astype(dt), mask), (k, v)
         return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), state
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import fp4_decode_attention
 from pallas_kernels.fp4_grouped_matmul import prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
@@ -42,7 +43,10 @@ class RolloutConfig:
     backend: "xla" (reference) or "pallas": the FP4 expert weights are also prepacked once in
       ``update_params`` for the grouped FP4 Pallas kernel, which the MoE layers then run (in the
       Pallas interpreter off the GPU; W4A16, so with a bf16 compute dtype; XLA where the kernel
-      does not apply). Without FP4 expert weights both backends are the same.
+      does not apply), and single-token decode steps attend with the decode-attention kernel
+      over the stored cache (bf16 compute dtype).
+    kernels: which Pallas kernels the "pallas" backend uses: "moe" (grouped FP4 expert matmul)
+      and/or "attention" (decode attention).
     """
 
     max_len: int = 256
@@ -53,12 +57,15 @@ class RolloutConfig:
     pad_token: int = 0
     fp4_weights: bool = True
     backend: Literal["xla", "pallas"] = "xla"
+    kernels: tuple[Literal["moe", "attention"], ...] = ("moe", "attention")
 
     def __post_init__(self):
         if self.max_len <= 0 or self.max_new_tokens <= 0:
             raise ConfigError("max_len and max_new_tokens must be positive")
         if self.backend not in ("xla", "pallas"):
             raise ConfigError(f"backend: must be 'xla' or 'pallas', got {self.backend!r}")
+        if not set(self.kernels) <= {"moe", "attention"}:
+            raise ConfigError(f"kernels: {self.kernels!r} are not among 'moe', 'attention'")
 
 
 @jax.tree_util.register_dataclass
@@ -187,7 +194,7 @@ class RolloutEngine:
         model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
         if self.cfg.fp4_weights and self.policy.expert_weights == "rtn":
             model = quantize_expert_weights(model, self.policy)
-            if self.cfg.backend == "pallas":
+            if self.cfg.backend == "pallas" and "moe" in self.cfg.kernels:
                 model = prepack_expert_weights(model)
         self.graphdef, self.state = nnx.split(model)
         self.version = self.version + 1 if version is None else version
@@ -258,15 +265,33 @@ class RolloutEngine:
         kv_valid = slots < new_lengths[:, None]
         fmt, dtype = cache.fmt, jnp.dtype(self.model_cfg.dtype)
 
-        def kv_access(layer, kv, codes, positions):
+        # One new token per sequence in bf16 with the pallas backend: the decode-attention
+        # kernel reads the stored cache (FP4 dequantized in the kernel); else XLA over the
+        # dequantized cache (prefill and multi-token chunks always; caches of a length that is
+        # not a multiple of the kernel's 16-slot steps).
+        kernel = (
+            self.cfg.backend == "pallas"
+            and "attention" in self.cfg.kernels
+            and t == 1
+            and dtype == jnp.bfloat16
+            and s % 16 == 0
+        )
+
+        def kv_access(layer, q, kv, codes, positions):
             lc = cache.layers[layer]
-            stored = [
-                kv_cache.write(buf, kv_cache.to_storage(fmt, x, q), lengths, valid)
-                for buf, x, q in zip((lc.k, lc.v), kv, codes, strict=True)
-            ]
-            k_all, v_all = (kv_cache.read(x, dtype) for x in stored)
-            mask = layers.causal_mask(positions, slots, kv_valid)
-            return k_all, v_all, mask, kv_cache.LayerCache(*stored)
+            k_buf, v_buf = (
+                kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
+                for buf, x, qt in zip((lc.k, lc.v), kv, codes, strict=True)
+            )
+            if kernel:
+                out = fp4_decode_attention.decode_attention(
+                    q[:, 0], k_buf, v_buf, new_lengths, interpret=jax.default_backend() != "gpu"
+                )[:, None]
+            else:
+                k_all, v_all = (kv_cache.read(x, dtype) for x in (k_buf, v_buf))
+                mask = layers.causal_mask(positions, slots, kv_valid)
+                out = layers.attention(q, k_all, v_all, mask)
+            return out, kv_cache.LayerCache(k_buf, v_buf)
 
         out = model(tokens, positions=positions, policy=self.policy, kv_access=kv_access)
         new_cache = kv_cache.KVCache(layers=out.kv, lengths=new_lengths, fmt=fmt)
