@@ -38,8 +38,14 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Programs compiled again within the run (a resumed run, notebooks, subprocess checks) are loaded
+# from JAX's persistent compilation cache.
+JAX_CACHE := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.pytest_cache/jax-cache \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+
 pytest: $(VENV)/.installed $(REF_VENV)/.installed
-	TRACE_REF_PYTHON=$(REF_VENV)/bin/python $(VENV)/bin/pytest -q -n 2 tests notebooks --nbmake
+	$(JAX_CACHE) TRACE_REF_PYTHON=$(REF_VENV)/bin/python $(VENV)/bin/pytest -q -n 2 \
+		--durations=25 tests notebooks --nbmake
 
 test: lint pytest
 

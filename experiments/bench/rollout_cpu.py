@@ -24,12 +24,14 @@ from trace_jax.rollout import RolloutConfig, RolloutEngine
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 
 
-def bench(preset: str, batch: int, prompt_len: int, new: int, repeats: int) -> list[dict]:
+def bench(
+    preset: str, batch: int, prompt_len: int, new: int, repeats: int, formats=FORMATS
+) -> list[dict]:
     cfg = ModelConfig.preset(preset).replace(dtype="bfloat16")
     model = Transformer(cfg, nnx.Rngs(0))
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt_len)).tolist()
     rows = []
-    for kv in FORMATS:
+    for kv in formats:
         fp4_path = kv in ("nvfp4", "mxfp4")
         policy = QuantPolicy.rollout(kv) if fp4_path else QuantPolicy.bf16()
         engine = RolloutEngine(

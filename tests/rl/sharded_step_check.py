@@ -71,8 +71,8 @@ def main():
 
 
 def check_loop():
-    """The RL loop with ``mesh_expert=2``: experts are split, the warm start matches one
-    device's, and the RL steps run."""
+    """The RL loop with ``mesh_expert=2``: experts are split over the devices, and the warm start
+    and the RL steps run (the step itself is compared with one device above)."""
     import json
     import tempfile
     from pathlib import Path
@@ -80,29 +80,26 @@ def check_loop():
     from trace_jax.config import from_dict
     from trace_jax.rl.loop import RLConfig, RLRun
 
-    base = dict(
+    cfg = dict(
         model_overrides={"num_layers": 2, "dtype": "bfloat16"},
-        steps=2,
+        steps=1,
         prompts_per_step=2,
         group_size=2,
         max_new_tokens=6,
         warm_start={"steps": 2, "batch": 4},
-        eval_problems=2,
+        eval_problems=0,
+        mesh_expert=2,
         tensorboard=False,
         plot=False,
     )
-    logs = {}
-    for name, mesh in (("single", {}), ("expert2", {"mesh_expert": 2})):
-        run_dir = Path(tempfile.mkdtemp()) / name
-        run = RLRun(from_dict(RLConfig, {**base, **mesh}), run_dir, log=lambda *_: None)
-        run.run()
-        logs[name] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        if mesh:
-            experts = run.final_state.params["layers"][0]["mlp"]["gate_proj"].get_value()
-            assert len(experts.sharding.device_set) == 2, experts.sharding
-    for a, b in zip(logs["single"][:2], logs["expert2"][:2], strict=True):
-        np.testing.assert_allclose(a["sft/loss"], b["sft/loss"], rtol=1e-4)
-    assert all(np.isfinite(r["train/loss"]) for r in logs["expert2"][2:])
+    run_dir = Path(tempfile.mkdtemp()) / "expert2"
+    run = RLRun(from_dict(RLConfig, cfg), run_dir, log=lambda *_: None)
+    run.run()
+    logs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    experts = run.final_state.params["layers"][0]["mlp"]["gate_proj"].get_value()
+    assert len(experts.sharding.device_set) == 2, experts.sharding
+    assert logs[1]["sft/loss"] < logs[0]["sft/loss"]
+    assert np.isfinite(logs[2]["train/loss"]) and logs[2]["mismatch/logp_abs"] < 0.05
     print("sharded RL loop OK")
 
 

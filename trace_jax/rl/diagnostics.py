@@ -3,9 +3,12 @@ sequences, compared token by token and code by code (TRACE.md section 7)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from trace_jax.model import ModelOutput, QuantPolicy, Transformer
 from trace_jax.model.policy import GuidedLayers
@@ -26,15 +29,16 @@ def guidance_of(state: RolloutState) -> dict:
     return {k: v for k, v in state.guidance.items() if not k.endswith(".codes")}
 
 
+@functools.partial(nnx.jit, static_argnames=("policy", "replay"))
 def trainer_forward(
     model: Transformer, state: RolloutState, policy: QuantPolicy, *, replay: bool = True
 ) -> ModelOutput:
-    """The training side's forward over a rollout batch: its tokens [B, S], the recorded guidance
-    at the policy's guided sites and (``replay``) the recorded experts (routing replay)."""
-    mask = jnp.arange(state.tokens.shape[1])[None] < state.lengths[:, None]
+    """The training side's forward over a rollout batch (jitted): its tokens [B, S], the recorded
+    guidance at the policy's guided sites and (``replay``) the recorded experts (routing
+    replay)."""
     return model(
         state.tokens,
-        attention_mask=mask,
+        attention_mask=state.filled,
         policy=policy,
         guidance=guidance_of(state),
         replay_routes=jnp.moveaxis(state.routes, 2, 0) if replay else None,
@@ -51,7 +55,7 @@ def mismatch_report(
     metrics of ``metrics.site_mismatch`` it gives their means over the sites the trainer guides
     (``.../guided``) and over all sites (``.../all``).
     """
-    filled = jnp.arange(state.tokens.shape[1])[None] < state.lengths[:, None]
+    filled = state.filled
     train_logp = metrics.token_logprobs(out.logits, state.tokens)
     report = {
         k: float(v)
@@ -81,5 +85,5 @@ def mismatch_report(
 def route_rate(model: Transformer, state: RolloutState, policy: QuantPolicy) -> jax.Array:
     """``mismatch/route_rate`` per MoE layer [L_moe] of the trainer's own routing (no replay)."""
     out = trainer_forward(model, state, policy, replay=False)
-    filled = jnp.arange(state.tokens.shape[1])[None] < state.lengths[:, None]
+    filled = state.filled
     return metrics.route_mismatch(out.routes, jnp.moveaxis(state.routes, 2, 0), filled)

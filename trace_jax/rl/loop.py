@@ -336,10 +336,9 @@ class RLRun:
             cache.put_batch(version, ids, rs.guidance)
             guidance = jax.tree.map(jnp.asarray, cache.get(version, ids))
             cache.evict(version_below=version)  # older versions are never trained on again
-        filled = jnp.arange(self.max_len)[None] < rs.lengths[:, None]
         batch = RLBatch(
             tokens=rs.tokens,
-            filled=filled,
+            filled=rs.filled,
             loss_mask=rs.generated,
             rollout_logp=rs.logprobs,
             advantages=adv.reshape(-1),

@@ -98,6 +98,11 @@ class RolloutState:
     def lengths(self) -> jax.Array:
         return self.cache.lengths
 
+    @property
+    def filled(self) -> jax.Array:
+        """[B, S] bool: the slots below each sequence's length."""
+        return jnp.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
+
 
 Record = fp4.Guidance | fp4.QTensor
 
@@ -332,6 +337,9 @@ class RolloutEngine:
           valid: [B, T] bool (default all True); each row a prefix of True.
         Returns:
           the new state (the input state's buffers are donated).
+
+        Chunks are padded (as invalid tokens) to a power-of-two width, so that prompts and
+        observations of varying lengths compile a few programs, not one per width.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
@@ -341,6 +349,12 @@ class RolloutEngine:
                 f"appending {tokens.shape[1]} tokens overflows max_len={self.cfg.max_len} for "
                 f"sequences {[int(i) for i in jnp.nonzero(room < 0)[0]]}"
             )
+        width = tokens.shape[1]
+        bucket = min(1 << max(0, (width - 1).bit_length()), max(width, self.cfg.max_len))
+        if bucket > width:
+            pad = ((0, 0), (0, bucket - width))
+            tokens = jnp.pad(tokens, pad, constant_values=self.cfg.pad_token)
+            valid = jnp.pad(valid, pad)
         zeros = jnp.zeros(tokens.shape, jnp.float32)
         state = self._append(self.state, state, tokens, valid, False, zeros)
         return dataclasses.replace(state, done=jnp.zeros_like(state.done))
