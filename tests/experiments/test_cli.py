@@ -91,13 +91,12 @@ SMALL_RL = [
 ]
 
 
-def test_rl_experiments_run_on_each_task_and_compare(tmp_path, capsys):
+def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys):
     runs = []
     for config, extra in [
-        ("configs/coding/fp4_qat.yaml", []),
         (
             "configs/long_horizon/fp4_trace.yaml",
-            ["max_turns=3", "task.args.max_turns=3", "task.args.min_path=2"],
+            ["max_turns=3", "task.args.max_turns=3", "task.args.min_path=2", "eval_problems=0"],
         ),
         ("configs/reasoning/ptq_eval.yaml", ["ptq_scale_rules=[four_over_six]"]),
     ]:
@@ -113,4 +112,6 @@ def test_rl_experiments_run_on_each_task_and_compare(tmp_path, capsys):
     assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
     assert main(["compare", *runs, "--out", str(tmp_path / "cmp.png")]) == 0
     out = capsys.readouterr().out
-    assert "fp4_qat (fp4 rollout, qat train)" in out and (tmp_path / "cmp.png").stat().st_size > 0
+    assert (
+        "fp4_trace (fp4 rollout, trace train)" in out and (tmp_path / "cmp.png").stat().st_size > 0
+    )

@@ -22,11 +22,11 @@ def small(**kw) -> loop.RLConfig:
     base = dict(
         model="tiny",
         model_overrides={"num_layers": 2, "dtype": "bfloat16"},
-        steps=4,
+        steps=3,
         prompts_per_step=2,
         group_size=2,
         max_new_tokens=6,
-        warm_start={"steps": 2, "batch": 4},
+        warm_start={"steps": 1, "batch": 4},
         eval_every=2,
         eval_problems=2,
         checkpoint_every=2,
@@ -54,31 +54,31 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     cfg = small()
     loop.RLRun(cfg, tmp_path / "a", log=lambda *_: None).run()
     want = records(tmp_path / "a")
-    assert [r["step"] for r in want] == list(range(6))
-    assert "sft/loss" in want[0] and "mismatch/logp_abs" in want[2] and "eval/reward" in want[3]
-    assert want[2]["guidance/bytes_per_token"] > 0
+    assert [r["step"] for r in want] == list(range(4))
+    assert "sft/loss" in want[0] and "mismatch/logp_abs" in want[1] and "eval/reward" in want[2]
+    assert want[1]["guidance/bytes_per_token"] > 0
     # one version stale: the first RL step samples with the warm-started parameters, as does
     # the second; diagnostic mode logs per-site code metrics of the guided layer
-    assert [r["policy_version_lag"] for r in want[2:]] == [0, 1, 1, 1]
-    assert want[2]["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/kv.k/0" in want[2]
-    assert want[2]["mismatch/route_rate"] == 0.0  # routing replay
+    assert [r["policy_version_lag"] for r in want[1:]] == [0, 1, 1]
+    assert want[1]["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/kv.k/0" in want[1]
+    assert want[1]["mismatch/route_rate"] == 0.0  # routing replay
 
-    # Kill the second run inside step 4, after the checkpoint of step 3.
+    # Kill the second run inside step 2, after the checkpoint of step 1.
     real_step = loop.RLRun.rl_step
 
     def dying(self, state, rollout_params, step, *a):
-        if step == 4:
+        if step == 2:
             raise Killed
         return real_step(self, state, rollout_params, step, *a)
 
     monkeypatch.setattr(loop.RLRun, "rl_step", dying)
     with pytest.raises(Killed):
         loop.RLRun(cfg, tmp_path / "b", log=lambda *_: None).run()
-    assert [r["step"] for r in records(tmp_path / "b")] == [0, 1, 2, 3]
+    assert [r["step"] for r in records(tmp_path / "b")] == [0, 1]
     monkeypatch.setattr(loop.RLRun, "rl_step", real_step)
     logs = []
     loop.RLRun(cfg, tmp_path / "b", log=logs.append).run()
-    assert logs == ["resuming from the checkpoint of step 3"]
+    assert logs == ["resuming from the checkpoint of step 1"]
     assert records(tmp_path / "b") == want
     assert any((tmp_path / "b" / "tensorboard").iterdir())
 
