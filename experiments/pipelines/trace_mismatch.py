@@ -35,6 +35,7 @@ class TraceMismatchConfig:
     """Attributes:
     seed: PRNG seed (random model weights, prompts and sampling).
     model: a ``ModelConfig`` preset name (random weights), unless ``hf_checkpoint`` is given.
+    model_overrides: ``ModelConfig`` fields to change (e.g. ``{num_layers: 2}``).
     hf_checkpoint: a Qwen3-MoE / Qwen2-MoE checkpoint folder to load instead.
     dtype: compute dtype of the model.
     fmt: "nvfp4" or "mxfp4" (weights, activations and the KV cache).
@@ -46,6 +47,7 @@ class TraceMismatchConfig:
 
     seed: int = 0
     model: str = "tiny"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
     hf_checkpoint: str = ""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     fmt: Literal["nvfp4", "mxfp4"] = "nvfp4"
@@ -68,7 +70,10 @@ def _model(cfg: TraceMismatchConfig) -> Transformer:
     if cfg.hf_checkpoint:
         _, model = load_hf_checkpoint(cfg.hf_checkpoint)
         return model
-    mcfg = ModelConfig.preset(cfg.model).replace(dtype=cfg.dtype)
+    try:
+        mcfg = ModelConfig.preset(cfg.model).replace(dtype=cfg.dtype, **cfg.model_overrides)
+    except TypeError as e:
+        raise ConfigError(f"model_overrides: {e}") from None
     return Transformer(mcfg, nnx.Rngs(cfg.seed))
 
 

@@ -54,7 +54,8 @@ def test_every_config_file_resolves():
 
 def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    args = ["batch=4", "max_new_tokens=12", "modes=[none,all]", "--run-dir", str(run_dir)]
+    args = ["batch=4", "max_new_tokens=12", "modes=[none,all]", "model_overrides={num_layers: 2}"]
+    args += ["--run-dir", str(run_dir)]
     assert main(["run", "configs/trace_mismatch.yaml", *args]) == 0
     results = json.loads((run_dir / "results.json").read_text())
     none, every = results["none"], results["all"]
@@ -87,7 +88,7 @@ SMALL_RL = [
     "eval_every=2",
     "eval_problems=2",
     "tensorboard=false",
-    "model_overrides={num_layers: 2, dtype: bfloat16}",
+    "model_overrides={num_layers: 1, dtype: bfloat16}",
 ]
 
 

@@ -26,7 +26,7 @@ def step(model, batch, mesh=None):
 
 def main():
     assert jax.device_count() == 2, jax.devices()
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset("tiny").replace(num_layers=2)
     model = Transformer(cfg, nnx.Rngs(0))
     engine = RolloutEngine(
         model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
@@ -81,7 +81,7 @@ def check_loop():
     from trace_jax.rl.loop import RLConfig, RLRun
 
     cfg = dict(
-        model_overrides={"num_layers": 2, "dtype": "bfloat16"},
+        model_overrides={"num_layers": 1, "dtype": "bfloat16"},
         steps=1,
         prompts_per_step=2,
         group_size=2,

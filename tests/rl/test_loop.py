@@ -21,7 +21,7 @@ TIMING = ("rollout/s", "rollout/tokens_per_s", "train/step_s")
 def small(**kw) -> loop.RLConfig:
     base = dict(
         model="tiny",
-        model_overrides={"num_layers": 2, "dtype": "bfloat16"},
+        model_overrides={"num_layers": 1, "dtype": "bfloat16"},
         steps=3,
         prompts_per_step=2,
         group_size=2,
@@ -60,7 +60,7 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     # one version stale: the first RL step samples with the warm-started parameters, as does
     # the second; diagnostic mode logs per-site code metrics of the guided layer
     assert [r["policy_version_lag"] for r in want[1:]] == [0, 1, 1]
-    assert want[1]["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/kv.k/0" in want[1]
+    assert want[1]["mismatch/code_rate/kv.k/0"] < 0.01 and "mismatch/d_act/kv.v/0" in want[1]
     assert want[1]["mismatch/route_rate"] == 0.0  # routing replay
 
     # Kill the second run inside step 2, after the checkpoint of step 1.
@@ -85,7 +85,7 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
 
 def test_multi_turn_episodes_append_observations_outside_the_loss():
     io = TaskIO("long_horizon", {"size": 4, "num_checkpoints": 0, "min_path": 2, "max_turns": 8})
-    cfg = ModelConfig.preset("tiny").replace(num_layers=2)
+    cfg = ModelConfig.preset("tiny").replace(num_layers=1)
     engine = RolloutEngine(
         Transformer(cfg, nnx.Rngs(0)),
         QuantPolicy.rollout(),
