@@ -412,6 +412,8 @@ def kv_append(
     *,
     qt: fp4.QTensor | None = None,
     valid: jax.Array | None = None,
+    kernel: bool | None = None,
+    interpret: bool = False,
 ) -> kv_cache.Stored:
     """Quantize one new token's K or V and write it at slot ``lengths[b]`` of each sequence.
 
@@ -427,20 +429,121 @@ def kv_append(
         quantized here as the site's RTN mode does (``fp4.quantize`` along D, per-row global
         scale for NVFP4).
       valid: [B] bool, which sequences take a token (all when None); slots >= S are dropped.
+      kernel: write with the one-launch Pallas kernel (``append_rows``) instead of XLA
+        scatters; None: on a GPU when the shapes allow it (``kernel_fits``).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       the updated buffer (same type and shapes as ``stored``).
     """
-    return _kv_append(stored, value, lengths, qt, valid)
+    (out,) = kv_append_many(
+        [stored], [value], lengths, qts=[qt], valid=valid, kernel=kernel, interpret=interpret
+    )
+    return out
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _kv_append(stored, value, lengths, qt, valid):
+def kv_append_many(
+    stored: list[kv_cache.Stored],
+    values: list[jax.Array],
+    lengths: jax.Array,
+    *,
+    qts: list[fp4.QTensor | None] | None = None,
+    valid: jax.Array | None = None,
+    kernel: bool | None = None,
+    interpret: bool = False,
+) -> list[kv_cache.Stored]:
+    """``kv_append`` of several buffers (K and V of a layer) in one kernel launch.
+
+    Args and result as ``kv_append``, one list entry per buffer; ``stored`` is donated.
+    """
+    if kernel is None:
+        kernel = interpret or (jax.default_backend() == "gpu" and kernel_fits(stored))
+    qts = list(qts) if qts is not None else [None] * len(stored)
+    return _kv_append(list(stored), list(values), lengths, qts, valid, kernel, interpret)
+
+
+def kernel_fits(stored: list[kv_cache.Stored]) -> bool:
+    """Whether the compiled append kernel takes these buffers: every per-token tile [Hkv, X]
+    (X = D, D/2, D/block or 1) has power-of-two sides (a Triton block-shape rule)."""
+    pow2 = lambda v: v & (v - 1) == 0  # noqa: E731
+    return all(pow2(a.shape[2]) and pow2(a.shape[3]) for a in _row_views(stored))
+
+
+def _row_views(stored: list[kv_cache.Stored]) -> list[jax.Array]:
+    """Each buffer's arrays as [B, S, Hkv, X] with 1-byte floats viewed as uint8."""
+    views = []
+    for a in jax.tree.leaves(stored):
+        if a.dtype.itemsize == 1 and a.dtype != jnp.uint8:
+            a = jax.lax.bitcast_convert_type(a, jnp.uint8)
+        views.append(a)
+    return views
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("kernel", "interpret"))
+def _kv_append(stored, values, lengths, qts, valid, kernel, interpret):
     b = lengths.shape[0]
-    if value.ndim == 3:
-        value = value[:, None]
-    fmt = cache_format(stored)
-    if fmt in ("nvfp4", "mxfp4") and qt is None:
-        qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
-    new = kv_cache.to_storage(fmt, value, qt)
-    ok = jnp.ones((b, 1), bool) if valid is None else valid.reshape(b, 1)
-    return kv_cache.write(stored, new, lengths, ok)
+    news = []
+    for buf, value, qt in zip(stored, values, qts, strict=True):
+        if value.ndim == 3:
+            value = value[:, None]
+        fmt = cache_format(buf)
+        if fmt in ("nvfp4", "mxfp4") and qt is None:
+            qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        news.append(kv_cache.to_storage(fmt, value, qt))
+    ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
+    if not kernel:
+        return [
+            kv_cache.write(buf, new, lengths, ok[:, None])
+            for buf, new in zip(stored, news, strict=True)
+        ]
+    s = kv_cache._leading(stored[0])[1]
+    slots = jnp.where(ok & (lengths < s) & (lengths >= 0), lengths, -1).astype(jnp.int32)
+    bufs = _row_views(stored)
+    rows = [a[:, 0] for a in _row_views(news)]
+    written = append_rows(bufs, rows, slots, interpret=interpret)
+    leaves = [
+        w if w.dtype == old.dtype else jax.lax.bitcast_convert_type(w, old.dtype)
+        for w, old in zip(written, jax.tree.leaves(stored), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(stored), leaves)
+
+
+def _append_kernel(slot_ref, *refs, n):
+    rows, outs = refs[:n], refs[2 * n :]
+    slot = slot_ref[0]
+
+    @pl.when(slot >= 0)
+    def _write():
+        for row, out in zip(rows, outs, strict=True):
+            out[slot] = row[...]
+
+
+def append_rows(
+    bufs: list[jax.Array], rows: list[jax.Array], slots: jax.Array, *, interpret: bool = False
+) -> list[jax.Array]:
+    """Write one row per sequence into each buffer in place, all buffers in one launch.
+
+    Args:
+      bufs: [B, S, H, X] arrays (donate them: outputs alias inputs, only the rows are written).
+      rows: [B, H, X] arrays, one per buffer, of the buffer's dtype.
+      slots: [B] int32, the slot each sequence's row goes to; negative: not written.
+    Returns:
+      the updated buffers.
+    """
+    n = len(bufs)
+    b, s = bufs[0].shape[:2]
+    for buf, row in zip(bufs, rows, strict=True):
+        if buf.ndim != 4 or buf.shape[:2] != (b, s) or row.shape != (b, *buf.shape[2:]):
+            raise ValueError(f"append_rows: row {row.shape} does not fit buffer {buf.shape}")
+    return pl.pallas_call(
+        functools.partial(_append_kernel, n=n),
+        grid=(b,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (i,))]
+        + [pl.BlockSpec((None, *r.shape[1:]), lambda i: (i, 0, 0)) for r in rows]
+        + [pl.BlockSpec((None, *a.shape[1:]), lambda i: (i, 0, 0, 0)) for a in bufs],
+        out_specs=[pl.BlockSpec((None, *a.shape[1:]), lambda i: (i, 0, 0, 0)) for a in bufs],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in bufs],
+        input_output_aliases={1 + n + i: i for i in range(n)},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="kv_append",
+    )(slots, *rows, *bufs)

@@ -45,6 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 from trace_jax import fp4
 from trace_jax.fp4 import FormatSpec, QTensor
 from trace_jax.fp4.formats import E8M0_NAN
+from trace_jax.fp4.quantize import block_scale_values, decode_blocks
 
 Dequant = Literal["asm", "portable"]
 
@@ -72,6 +73,9 @@ class Fp4MatmulConfig:
       prefetch: load the next step's weight codes and scales into registers one step ahead (in
         the loop carry) instead of relying on the compiler's shared-memory pipeline; use with
         num_stages=1.
+      mma: use the matrix unit. False: the GEMV form for a single token (``block_m`` 1): each
+        step multiplies the decoded tile elementwise by x and accumulates in fp32 registers,
+        reduced over K once at the end; no padding of the token side to 16 rows.
       x_layout: how the even/odd K split meets x. "split": x is split into even and odd columns
         in XLA before the kernel (contiguous, pipelined loads; two dots per step); "strided":
         stride-2 loads in the kernel; "join": the decoded halves are interleaved in registers
@@ -87,12 +91,19 @@ class Fp4MatmulConfig:
     dequant: Dequant = "asm"
     x_layout: Literal["split", "strided", "join"] = "split"
     prefetch: bool = False
+    mma: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "block_m"):
             v = getattr(self, name)
+            if name == "block_m" and not self.mma:
+                if v != 1:
+                    raise ValueError(f"Fp4MatmulConfig: mma=False needs block_m=1, got {v}")
+                continue
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Fp4MatmulConfig.{name} must be a power of two >= 16, got {v}")
+        if not self.mma and (self.x_layout != "split" or self.prefetch):
+            raise ValueError("Fp4MatmulConfig: mma=False needs x_layout='split', no prefetch")
         if self.split_k < 1:
             raise ValueError(f"Fp4MatmulConfig.split_k must be >= 1, got {self.split_k}")
         if self.x_layout not in ("split", "strided", "join"):
@@ -369,13 +380,20 @@ def _fp4_matmul_kernel(*refs, fmt, cfg, steps, w4a4, row_scaled):
         else:
             x_even = x_ref[:, pl.ds(step * cfg.block_k, kb, stride=2)]
             x_odd = x_ref[:, pl.ds(step * cfg.block_k + 1, kb, stride=2)]
+        if not cfg.mma:  # GEMV: [bn, kb] fp32 partial products, reduced after the loop
+            f32 = jnp.float32
+            acc += w_even.astype(f32) * x_even.astype(f32) + w_odd.astype(f32) * x_odd.astype(f32)
+            return acc, c_next, s_next
         acc += jax.lax.dot_general(w_even, x_even, dims, preferred_element_type=jnp.float32)
         acc += jax.lax.dot_general(w_odd, x_odd, dims, preferred_element_type=jnp.float32)
         return acc, c_next, s_next
 
-    acc = jnp.zeros((cfg.block_n, cfg.block_m), jnp.float32)
+    acc_shape = (cfg.block_n, cfg.block_m) if cfg.mma else (cfg.block_n, kb)
+    acc = jnp.zeros(acc_shape, jnp.float32)
     c0, s0 = load_w(split * steps)
     acc, _, _ = jax.lax.fori_loop(0, steps, body, (acc, c0, s0))
+    if not cfg.mma:
+        acc = jnp.sum(acc, axis=1, keepdims=True)
     acc = acc * g_ref[...][:, None]
     if w4a4 or row_scaled:
         acc = acc * xg_ref[...][None, :]
@@ -623,10 +641,18 @@ def _xla_linear(x, w, w4a4):
     qt = w.qtensor if isinstance(w, Fp4Weight) else w
     if w4a4:
         x = fp4.dequantize(quantize_activation(x), jnp.bfloat16)
-    wb = fp4.dequantize(qt, jnp.bfloat16)
-    return jnp.dot(x.astype(jnp.bfloat16), wb, preferred_element_type=jnp.float32).astype(
-        jnp.bfloat16
+    # The weight is dequantized in its stored layout [N, K] (fp4.dequantize's values, without
+    # the transpose to [K, N]) and the matmul contracts the last axes of both.
+    k, n = qt.shape
+    values = decode_blocks(
+        fp4.unpacked_codes(qt),
+        block_scale_values(qt.block_scales, qt.fmt),
+        qt.global_scale,
     )
+    wt = values.astype(jnp.bfloat16).reshape(n, k)
+    dims = (((1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x.astype(jnp.bfloat16), wt, dims, preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- bf16 baseline

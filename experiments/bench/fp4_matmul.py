@@ -455,6 +455,71 @@ def tune(log):
     return best
 
 
+def _gemv_config(k, n, block_n, block_k, programs=1024, **kw):
+    split = 1
+    while n // block_n * split < programs and k % (block_k * split * 2) == 0:
+        split *= 2
+    return fm.Fp4MatmulConfig(
+        block_n=block_n, block_k=block_k, block_m=1, mma=False, split_k=split, **kw
+    )
+
+
+def gemv(log):
+    """M = 1 without the matrix unit (``mma=False``): a tiling search at K=8192 (NVFP4), then
+    the best tiling on every dense shape and both formats, W4A16 and W4A4, against the MMA
+    kernel's default and the best BF16 path."""
+    k, n = DENSE_SHAPES[0]
+    case = make_dense(k, n, "nvfp4", SETS, seed=1)
+    tb = best_bf16(case, 1, log, seed=5)[0]
+    variants = [
+        dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs=p)
+        for bn, bk, w, st, p in (
+            (64, 128, 4, 3, 1024),
+            (64, 256, 4, 3, 1024),
+            (32, 256, 4, 3, 1024),
+            (128, 128, 4, 3, 1024),
+            (64, 256, 8, 3, 1024),
+            (64, 256, 4, 4, 1024),
+            (64, 512, 4, 3, 1024),
+            (64, 256, 4, 3, 2048),
+            (64, 256, 4, 3, 512),
+            (32, 512, 4, 3, 2048),
+        )
+    ]
+    best = (float("inf"), None)
+    for v in variants:
+        cfg = _gemv_config(k, n, **v)
+        t = run_fp4(case, 1, log, seed=11, config=cfg, label="gemv sweep")
+        frac = fp4_bytes(1, k, n, "nvfp4") / t / HBM_BYTES_PER_S
+        log.append(dict(gemv_sweep=v, us=t * 1e6, hbm=frac))
+        print(f"  gemv {v}: {t * 1e6:.1f} us x{tb / t:.2f} {100 * frac:.0f} % HBM", flush=True)
+        if t < best[0]:
+            best = (t, v)
+    print(f"BEST gemv {best[1]}: {best[0] * 1e6:.1f} us", flush=True)
+    del case
+    rows = []
+    for fmt in ("nvfp4", "mxfp4"):
+        for k, n in DENSE_SHAPES:
+            case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
+            if (k, 1) not in t_bf16_cache:
+                t_bf16_cache[(k, 1)] = best_bf16(case, 1, log, seed=5)[0]
+            tb = t_bf16_cache[(k, 1)]
+            cfg = _gemv_config(k, n, **best[1])
+            for name, c, w4 in (
+                ("MMA kernel (default)", None, False),
+                ("GEMV", cfg, False),
+                ("GEMV W4A4 (act. dequant xla)", cfg, "xla"),
+            ):
+                if w4 and fmt != "nvfp4":
+                    continue
+                t = run_fp4(case, 1, log, seed=9, config=c, w4a4=w4, label="gemv")
+                nbytes = fp4_bytes(1, k, n, fmt, w4a4=bool(w4))
+                rows.append((f"dense {fmt} M=1 {name}", k, n, 1, t, tb, nbytes))
+            del case
+    print_table(rows)
+    return rows
+
+
 def table(log, configs=None):
     """All rows of the performance table. ``configs``: {(K, M): config}, else the defaults."""
     configs = configs or {}
@@ -599,6 +664,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true", help="short tiling search, then the table")
     ap.add_argument("--grouped-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--gemv", action="store_true", help="M=1 without the matrix unit")
+    ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -624,6 +691,15 @@ def main(argv=None):
         print_table(grouped_rows(log, cfgs))
     elif args.tune:
         table(log, tune(log))
+    elif args.gemv:
+        gemv(log)
+    elif args.large_m:
+        rows = []
+        for k, n in DENSE_SHAPES:
+            case = make_dense(k, n, "nvfp4", SETS, seed=1)
+            rows += large_m_paths(case, log, (256, 1024))
+            del case
+        print_table(rows)
     else:
         table(log)
     with open(os.path.join(args.out, "fp4_matmul_log.json"), "w") as f:

@@ -1,11 +1,14 @@
 """Rollout tokens/s of the tiny model per KV-cache format (a smoke figure on any device).
 
     PYTHONPATH=. python3 experiments/bench/rollout_cpu.py [--preset tiny --batch 16 --new 64]
+        [--backends xla,pallas --formats bf16,nvfp4]
 
 For each cache format it builds an engine (BF16 policy for the ``bf16``/``fp8`` caches; FP4
 weights, activations and cache with TRACE guidance recorded in the deeper half for ``nvfp4`` and
 ``mxfp4``), compiles prefill and the decode loop on a warm-up call, then times ``generate`` over
-fresh keys (median of ``--repeats``) and prints decoded tokens/s and cache bytes.
+fresh keys (median of ``--repeats``) and prints decoded tokens/s and cache bytes, per engine
+backend: ``xla`` (reference) or ``pallas`` (the FP4 MoE and decode-attention kernels; on a CPU
+they run in the Pallas interpreter, so only a GPU figure means anything).
 """
 
 from __future__ import annotations
@@ -25,20 +28,30 @@ FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 
 
 def bench(
-    preset: str, batch: int, prompt_len: int, new: int, repeats: int, formats=FORMATS
+    preset: str,
+    batch: int,
+    prompt_len: int,
+    new: int,
+    repeats: int,
+    formats=FORMATS,
+    backends=("xla",),
 ) -> list[dict]:
     cfg = ModelConfig.preset(preset).replace(dtype="bfloat16")
     model = Transformer(cfg, nnx.Rngs(0))
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt_len)).tolist()
     rows = []
-    for kv in formats:
+    for backend, kv in ((b, f) for b in backends for f in formats):
         fp4_path = kv in ("nvfp4", "mxfp4")
         policy = QuantPolicy.rollout(kv) if fp4_path else QuantPolicy.bf16()
         engine = RolloutEngine(
             model,
             policy,
             RolloutConfig(
-                max_len=prompt_len + new, max_new_tokens=new, kv_cache=kv, fp4_weights=fp4_path
+                max_len=prompt_len + new,
+                max_new_tokens=new,
+                kv_cache=kv,
+                fp4_weights=fp4_path,
+                backend=backend,
             ),
         )
         jax.block_until_ready(engine.generate(prompts, jax.random.key(0)).tokens)  # compile
@@ -51,6 +64,7 @@ def bench(
             tokens = int(state.generated.sum())
         rows.append(
             dict(
+                backend=backend,
                 kv=kv,
                 weights_acts="fp4" if fp4_path else "bf16",
                 tokens=tokens,
@@ -69,13 +83,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--backends", default="xla")
     args = parser.parse_args(argv)
-    rows = bench(args.preset, args.batch, args.prompt_len, args.new, args.repeats)
+    rows = bench(
+        args.preset,
+        args.batch,
+        args.prompt_len,
+        args.new,
+        args.repeats,
+        formats=args.formats.split(","),
+        backends=args.backends.split(","),
+    )
     print(f"device: {jax.devices()[0].device_kind}; preset {args.preset}, batch {args.batch}")
-    print(f"{'kv cache':8s} {'W/A':5s} {'tokens':>7s} {'s':>7s} {'tokens/s':>9s} {'cache B':>10s}")
+    print(
+        f"{'backend':7s} {'kv cache':8s} {'W/A':5s} {'tokens':>7s} {'s':>7s} {'tokens/s':>9s} "
+        f"{'cache B':>10s}"
+    )
     for r in rows:
         print(
-            f"{r['kv']:8s} {r['weights_acts']:5s} {r['tokens']:7d} {r['seconds']:7.3f} "
+            f"{r['backend']:7s} {r['kv']:8s} {r['weights_acts']:5s} {r['tokens']:7d} "
+            f"{r['seconds']:7.3f} "
             f"{r['tokens_per_s']:9.0f} {r['cache_bytes']:10,d}"
         )
 

@@ -3,6 +3,7 @@ interpreter on the CPU, and the compiled kernel at the benchmark shapes on a GPU
 against ``kv_cache.write``."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -160,8 +161,9 @@ def test_reference_matches_plain_softmax():
     np.testing.assert_allclose(np.asarray(ref, np.float32), out, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_kv_append_equals_cache_write(fmt):
+def test_kv_append_equals_cache_write(fmt, kernel):
     b, s, hkv, d = 3, 32, 2, 64
     rng = jax.random.key(9)
     base = jax.random.normal(rng, (b, s, hkv, d), jnp.float32)
@@ -173,21 +175,48 @@ def test_kv_append_equals_cache_write(fmt):
     if fmt in ("nvfp4", "mxfp4"):
         qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
     expect = kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
-    got = fa.kv_append(jax.tree.map(jnp.copy, buf), x, lengths)
-    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+    append = functools.partial(fa.kv_append, kernel=kernel, interpret=kernel)
+    got = append(jax.tree.map(jnp.copy, buf), x, lengths)
+    _assert_same_bytes(got, expect)
     # Something was written: the new token differs from what the slot held.
     before = jax.tree.leaves(buf)[0]
     assert not np.array_equal(np.asarray(jax.tree.leaves(got)[0]), np.asarray(before))
     # A sequence marked invalid is left alone.
-    got2 = fa.kv_append(
+    got2 = append(
         jax.tree.map(jnp.copy, buf), x[:, 0], lengths, valid=jnp.array([False, True, True])
     )
     np.testing.assert_array_equal(
         np.asarray(jax.tree.leaves(got2)[0][0]).view(np.uint8),
         np.asarray(jax.tree.leaves(buf)[0][0]).view(np.uint8),
     )
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
+    """K and V of a layer through one kernel launch equal two separate cache writes."""
+    b, s, hkv, d = 4, 16, 2, 32
+    k_buf, v_buf = (
+        _stored(fmt, jax.random.normal(jax.random.key(i), (b, s, hkv, d))) for i in (1, 2)
+    )
+    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    lengths = jnp.array([5, 0, 15, 9], jnp.int32)
+    valid = jnp.array([True, True, False, True])
+    got = fa.kv_append_many(
+        [jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf)],
+        [k, v],
+        lengths,
+        valid=valid,
+        interpret=True,
+    )
+    for out, buf, x in zip(got, (k_buf, v_buf), (k, v), strict=True):
+        expect = fa.kv_append(jax.tree.map(jnp.copy, buf), x, lengths, valid=valid, kernel=False)
+        _assert_same_bytes(out, expect)
+
+
+def _assert_same_bytes(got, expect):
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -116,8 +116,16 @@ def round_to_e2m1(z: jax.Array, key: jax.Array | None = None) -> jax.Array:
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
-    """4-bit codes [...] uint8 -> values [...] float32 (exact)."""
-    return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+    """4-bit codes [...] uint8 -> values [...] float32 (exact; ``E2M1_VALUES[codes]``).
+
+    Built from bits rather than a table lookup, so that it fuses into elementwise kernels: a
+    code ``s ee m`` with ``ee > 0`` is the float32 ``(-1)**s * 2**(ee - 1) * (1 + m / 2)``
+    (exponent field ``ee + 126``, top mantissa bit ``m``); ``ee = 0`` is 0 or 0.5.
+    """
+    c = codes.astype(jnp.uint32)
+    e, m = (c >> 1) & 3, c & 1
+    magnitude = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return jax.lax.bitcast_convert_type(((c & 8) << 28) | magnitude, jnp.float32)
 
 
 def mantissa_bit(codes: jax.Array) -> jax.Array:

@@ -281,16 +281,27 @@ class RolloutEngine:
             and dtype == jnp.bfloat16
             and s % 16 == 0
         )
+        interpret = jax.default_backend() != "gpu"
 
         def kv_access(layer, q, kv, codes, positions):
             lc = cache.layers[layer]
-            k_buf, v_buf = (
-                kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
-                for buf, x, qt in zip((lc.k, lc.v), kv, codes, strict=True)
-            )
+            if kernel:  # K and V written by one kernel launch
+                k_buf, v_buf = fp4_decode_attention.kv_append_many(
+                    [lc.k, lc.v],
+                    list(kv),
+                    lengths,
+                    qts=list(codes),
+                    valid=valid[:, 0],
+                    interpret=interpret,
+                )
+            else:
+                k_buf, v_buf = (
+                    kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
+                    for buf, x, qt in zip((lc.k, lc.v), kv, codes, strict=True)
+                )
             if kernel:
                 out = fp4_decode_attention.decode_attention(
-                    q[:, 0], k_buf, v_buf, new_lengths, interpret=jax.default_backend() != "gpu"
+                    q[:, 0], k_buf, v_buf, new_lengths, interpret=interpret
                 )[:, None]
             else:
                 k_all, v_all = (kv_cache.read(x, dtype) for x in (k_buf, v_buf))
