@@ -117,13 +117,17 @@ class Fp4MatmulConfig:
 def default_config(m: int, k: int, n: int) -> Fp4MatmulConfig:
     """Tuned defaults per shape class (H200, see BENCHMARKS.md). ``m`` tokens, weight [k, n].
 
-    Decode (m <= 16): 64-row weight tiles, 128-element K steps, and K split until there are
-    ~900 programs (about 7 per multiprocessor): the kernel is bound by each program's serial
-    load -> decode -> MMA chain, so more programs in flight is what raises bandwidth.
+    One token (m = 1): the GEMV form (``gemv_config``), equal to or faster than the MMA kernel
+    at every benchmark shape (1.2x for MXFP4). Decode (m <= 16): 64-row weight tiles,
+    128-element K steps, and K split until there are ~900 programs (about 7 per
+    multiprocessor): the kernel is bound by each program's serial load -> decode -> MMA chain,
+    so more programs in flight is what raises bandwidth.
     Larger m: token tiles of up to 64 rows, 3 pipeline stages, K split in two.
     """
-    block_m = max(_MIN_ROWS, min(64, _next_pow2(m)))
     block_n, block_k = 64, 128
+    if m == 1 and n % block_n == 0 and k % block_k == 0:
+        return gemv_config(k, n, block_n, block_k)
+    block_m = max(_MIN_ROWS, min(64, _next_pow2(m)))
     if m <= 16:
         split_k, stages = 1, 4
         while n // block_n * split_k < 896 and k % (block_k * split_k * 2) == 0:
@@ -136,6 +140,20 @@ def default_config(m: int, k: int, n: int) -> Fp4MatmulConfig:
         block_m=block_m,
         split_k=split_k,
         num_stages=stages,
+    )
+
+
+def gemv_config(
+    k: int, n: int, block_n: int = 64, block_k: int = 128, programs: int = 1024, **kw
+) -> Fp4MatmulConfig:
+    """The GEMV form (``mma=False``, one token) with K split until there are ``programs``
+    programs (the H200 search of BENCHMARKS.md: 64 x 128 tiles, ~1024 programs, 3 stages)."""
+    split = 1
+    while n // block_n * split < programs and k % (block_k * split * 2) == 0:
+        split *= 2
+    kw.setdefault("num_stages", 3)
+    return Fp4MatmulConfig(
+        block_n=block_n, block_k=block_k, block_m=1, mma=False, split_k=split, **kw
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -136,7 +137,7 @@ def timed(name, fn, case, b, s, fmt, log):
 APPEND_PATHS = ("xla", "kernel", "kernel, site codes given")
 
 
-def time_append(b, s, fmt, log, calls=8, reps=5):
+def time_append(b, s, fmt, log, calls=8, reps=5, diagnose=False):
     """Seconds per layer append (K and V of one token) inside one jitted, donated program.
 
     Paths: "xla" (two ``kv_append`` calls through XLA scatters, quantizing K and V); "kernel"
@@ -186,6 +187,20 @@ def time_append(b, s, fmt, log, calls=8, reps=5):
             return kb, vb
 
         prog = jax.jit(appends, donate_argnums=(0, 1))
+        if diagnose:  # what the compiled program runs: kernel launches and buffer copies
+            hlo = prog.lower(k_buf, v_buf, new, qts, lengths).compile().as_text()
+            entry = hlo[hlo.index("ENTRY") :]
+            ops = [
+                m.group(1)
+                for ln in entry.splitlines()
+                if " = " in ln and (m := re.search(r"\b([a-z][\w\-]*)\(", ln.split(" = ", 1)[1]))
+            ]
+            counts = {op: ops.count(op) for op in sorted(set(ops))}
+            copies = [ln.strip()[:160] for ln in entry.splitlines() if " copy(" in ln]
+            print(f"  [{path}] entry ops: {counts}", flush=True)
+            for c in copies[:6]:
+                print(f"    {c}", flush=True)
+            log.append(dict(append_hlo=path, ops=counts, copies=copies))
         kb, vb = jax.block_until_ready(
             prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), new, qts, lengths)
         )
@@ -353,7 +368,7 @@ def main(argv=None):
     elif args.diagnose:
         diagnose(log)
     elif args.append:
-        time_append(64, 2048, "nvfp4", log)
+        time_append(64, 2048, "nvfp4", log, diagnose=True)
     else:
         configs = sweep(log, formats=args.formats.split(",")) if args.sweep else None
         print_table(table(log, configs))

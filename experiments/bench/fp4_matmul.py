@@ -455,15 +455,6 @@ def tune(log):
     return best
 
 
-def _gemv_config(k, n, block_n, block_k, programs=1024, **kw):
-    split = 1
-    while n // block_n * split < programs and k % (block_k * split * 2) == 0:
-        split *= 2
-    return fm.Fp4MatmulConfig(
-        block_n=block_n, block_k=block_k, block_m=1, mma=False, split_k=split, **kw
-    )
-
-
 def gemv(log):
     """M = 1 without the matrix unit (``mma=False``): a tiling search at K=8192 (NVFP4), then
     the best tiling on every dense shape and both formats, W4A16 and W4A4, against the MMA
@@ -488,7 +479,7 @@ def gemv(log):
     ]
     best = (float("inf"), None)
     for v in variants:
-        cfg = _gemv_config(k, n, **v)
+        cfg = fm.gemv_config(k, n, **v)
         t = run_fp4(case, 1, log, seed=11, config=cfg, label="gemv sweep")
         frac = fp4_bytes(1, k, n, "nvfp4") / t / HBM_BYTES_PER_S
         log.append(dict(gemv_sweep=v, us=t * 1e6, hbm=frac))
@@ -504,7 +495,7 @@ def gemv(log):
             if (k, 1) not in t_bf16_cache:
                 t_bf16_cache[(k, 1)] = best_bf16(case, 1, log, seed=5)[0]
             tb = t_bf16_cache[(k, 1)]
-            cfg = _gemv_config(k, n, **best[1])
+            cfg = fm.gemv_config(k, n, **best[1])
             for name, c, w4 in (
                 ("MMA kernel (default)", None, False),
                 ("GEMV", cfg, False),
