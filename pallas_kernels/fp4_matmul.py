@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp4_matmul_gemv as fmv
 from trace_jax import fp4
 from trace_jax.fp4 import FormatSpec, QTensor
 from trace_jax.fp4.formats import E8M0_NAN
@@ -175,6 +176,9 @@ class Fp4Weight:
       scale_offset: int32 [], the power of two ``c`` folded into the block scales in-kernel.
       out_scale: [N] float32, ``global_scale * 2**(126 - c)``; NaN where a row holds a NaN scale.
       qtensor: the source ``QTensor`` (for the reference and the XLA fallback; shares buffers).
+      gemv_words: [N, K/8] uint32, the codes again in the one-token kernel's word layout
+        (``fp4_matmul_gemv.pack_gemv_words``), or None; a second copy of the codes.
+      gemv_block_k: the ``block_k`` granule ``gemv_words`` was packed with (0: none).
     """
 
     codes: jax.Array
@@ -182,6 +186,8 @@ class Fp4Weight:
     scale_offset: jax.Array
     out_scale: jax.Array
     qtensor: QTensor
+    gemv_words: jax.Array | None = None
+    gemv_block_k: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def fmt(self) -> FormatSpec:
@@ -192,14 +198,24 @@ class Fp4Weight:
         return self.qtensor.shape
 
 
-def prepack(w: QTensor) -> Fp4Weight:
-    """Arrange a weight ``QTensor`` [K, N] (quantized along K, axis 0) for ``fp4_matmul``."""
+def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
+    """Arrange a weight ``QTensor`` [K, N] (quantized along K, axis 0) for ``fp4_matmul``.
+
+    ``gemv``: also store the codes in the one-token kernel's word layout (``gemv_words``, one
+    more copy of the codes: 4 bits per weight) where the shape allows; one-token calls then use
+    that kernel.
+    """
     if len(w.shape) != 2 or w.axis != 0:
         raise ValueError(
             f"fp4_matmul needs a 2-D weight [K, N] quantized along axis 0, got shape {w.shape} "
             f"axis {w.axis}"
         )
-    return _prepack_arrays(w)
+    packed = _prepack_arrays(w)
+    k, n = w.shape
+    if gemv and fmv.gemv_supported(k, n, w.fmt):
+        words = fmv.pack_gemv_words(w.codes, w.fmt, fmv.GEMV_BLOCK_K)
+        packed = dataclasses.replace(packed, gemv_words=words, gemv_block_k=fmv.GEMV_BLOCK_K)
+    return packed
 
 
 def _prepack_arrays(w: QTensor) -> Fp4Weight:
@@ -502,7 +518,8 @@ def _call(
 
 
 def _as_weight(w: QTensor | Fp4Weight) -> Fp4Weight:
-    return w if isinstance(w, Fp4Weight) else prepack(w)
+    # A bare QTensor is arranged per call: no second copy of the codes is worth making then.
+    return w if isinstance(w, Fp4Weight) else prepack(w, gemv=False)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -510,7 +527,7 @@ def fp4_matmul(
     x: jax.Array,
     w: QTensor | Fp4Weight,
     *,
-    config: Fp4MatmulConfig | None = None,
+    config: Fp4MatmulConfig | fmv.Fp4GemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``x @ dequantize(w)`` with the weight dequantized in the kernel (W4A16).
@@ -518,7 +535,10 @@ def fp4_matmul(
     Args:
       x: [M, K] bf16 activations.
       w: weight [K, N] as an NVFP4/MXFP4 ``QTensor`` quantized along K, or its ``prepack``.
-      config: tiling; ``default_config(M, K, N)`` when None.
+      config: tiling; when None, one token with a ``prepack`` holding ``gemv_words`` uses the
+        one-token kernel (``fp4_matmul_gemv``, ``default_gemv_config``), anything else the MMA
+        kernel with ``default_config(M, K, N)``. An ``Fp4GemvConfig`` selects the one-token
+        kernel.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
       [M, N] bf16, accumulated in fp32.
@@ -528,6 +548,10 @@ def fp4_matmul(
     m = x.shape[0]
     if x.shape != (m, k):
         raise ValueError(f"fp4_matmul: x has shape {x.shape}, weight needs [M, {k}]")
+    if config is None and m == 1 and w.gemv_words is not None:
+        config = fmv.default_gemv_config(k, n, w.gemv_block_k)
+    if isinstance(config, fmv.Fp4GemvConfig):
+        return fmv.fp4_gemv(x.astype(jnp.bfloat16), w, config, interpret)
     cfg = config or default_config(m, k, n)
     x = x.astype(jnp.bfloat16)
     x_args = [x[:, 0::2], x[:, 1::2]] if cfg.x_layout == "split" else [x]

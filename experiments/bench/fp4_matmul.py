@@ -27,6 +27,7 @@ import numpy as np
 
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
+from pallas_kernels import fp4_matmul_gemv as fmv
 from trace_jax import fp4
 
 HBM_BYTES_PER_S = 4.8e12
@@ -193,7 +194,10 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
         ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
     try:
         y = fn(xs[0], case.packed[0])
-        if config is not None and config.dequant == "bytes_only":
+        if (
+            getattr(config, "dequant", None) == "bytes_only"
+            or getattr(config, "decode", None) == "none"
+        ):
             return time_op(fn, list(zip(xs, case.packed, strict=True)))
         if not check(f"{label} fp4 {case.fmt} m={m} k={case.k} n={case.n}", y, ref, log):
             return float("nan")
@@ -455,57 +459,84 @@ def tune(log):
     return best
 
 
-def gemv(log):
-    """M = 1 without the matrix unit (``mma=False``): a tiling search at K=8192 (NVFP4), then
-    the best tiling on every dense shape and both formats, W4A16 and W4A4, against the MMA
-    kernel's default and the best BF16 path."""
-    k, n = DENSE_SHAPES[0]
-    case = make_dense(k, n, "nvfp4", SETS, seed=1)
-    tb = best_bf16(case, 1, log, seed=5)[0]
-    variants = [
-        dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs=p)
-        for bn, bk, w, st, p in (
-            (64, 128, 4, 3, 1024),
-            (64, 256, 4, 3, 1024),
-            (32, 256, 4, 3, 1024),
-            (128, 128, 4, 3, 1024),
-            (64, 256, 8, 3, 1024),
-            (64, 256, 4, 4, 1024),
-            (64, 512, 4, 3, 1024),
-            (64, 256, 4, 3, 2048),
-            (64, 256, 4, 3, 512),
-            (32, 512, 4, 3, 2048),
+def with_gemv_block_k(case: DenseCase, block_k: int) -> DenseCase:
+    """The same weights with the one-token word layout packed for another ``block_k``."""
+    packed = [
+        dataclasses.replace(
+            p, gemv_words=fmv.pack_gemv_words(p.codes, p.fmt, block_k), gemv_block_k=block_k
         )
+        for p in case.packed
     ]
-    best = (float("inf"), None)
-    for v in variants:
-        cfg = fm.gemv_config(k, n, **v)
-        t = run_fp4(case, 1, log, seed=11, config=cfg, label="gemv sweep")
-        frac = fp4_bytes(1, k, n, "nvfp4") / t / HBM_BYTES_PER_S
-        log.append(dict(gemv_sweep=v, us=t * 1e6, hbm=frac))
-        print(f"  gemv {v}: {t * 1e6:.1f} us x{tb / t:.2f} {100 * frac:.0f} % HBM", flush=True)
-        if t < best[0]:
-            best = (t, v)
-    print(f"BEST gemv {best[1]}: {best[0] * 1e6:.1f} us", flush=True)
-    del case
+    return dataclasses.replace(case, packed=jax.block_until_ready(packed))
+
+
+GEMV_VARIANTS = (  # (block_n, block_k, split_k, num_warps, num_stages[, decode])
+    (64, 256, 1, 4, 3, "none"),
+    (32, 256, 2, 4, 3, "none"),
+    (64, 256, 1, 4, 3),
+    (64, 256, 2, 4, 3),
+    (32, 256, 1, 4, 3),
+    (32, 256, 2, 4, 3),
+    (128, 256, 1, 4, 3),
+    (128, 256, 1, 8, 3),
+    (64, 256, 1, 4, 4),
+    (64, 256, 1, 4, 2),
+    (64, 256, 1, 2, 3),
+    (32, 256, 1, 2, 3),
+    (16, 256, 1, 2, 3),
+    (64, 256, 4, 4, 3),
+    (64, 512, 1, 4, 3),
+    (128, 512, 1, 8, 3),
+)
+
+
+def gemv(log, variants=GEMV_VARIANTS):
+    """M = 1: the one-token kernel (``fp4_matmul_gemv``, packed word layout) over a tiling grid
+    at both dense shapes (NVFP4), then every dense shape and both formats against the earlier
+    GEMV form (``gemv_config``, ``mma=False``), the MMA kernel and the best BF16 path."""
+    best = {}
+    for k, n in DENSE_SHAPES:
+        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        tb = best_bf16(case, 1, log, seed=5)[0]
+        t_bf16_cache[(k, 1)] = tb
+        cases = {fmv.GEMV_BLOCK_K: case}
+        best[k] = (float("inf"), None)
+        for bn, bk, split, warps, stages, *decode in variants:
+            if bk not in cases:
+                cases[bk] = with_gemv_block_k(case, bk)
+            cfg = fmv.Fp4GemvConfig(
+                block_n=bn,
+                block_k=bk,
+                split_k=split,
+                num_warps=warps,
+                num_stages=stages,
+                decode=decode[0] if decode else "f16",
+            )
+            t = run_fp4(cases[bk], 1, log, seed=11, config=cfg, label="gemv sweep")
+            frac = fp4_bytes(1, k, n, "nvfp4") / t / HBM_BYTES_PER_S
+            log.append(dict(gemv_sweep=dataclasses.asdict(cfg), k=k, us=t * 1e6, hbm=frac))
+            print(
+                f"  gemv k={k} {cfg}: {t * 1e6:.1f} us x{tb / t:.2f} {100 * frac:.0f} % HBM",
+                flush=True,
+            )
+            if t < best[k][0] and cfg.decode == "f16":
+                best[k] = (t, cfg)
+        print(f"BEST gemv k={k}: {best[k][1]} {best[k][0] * 1e6:.1f} us", flush=True)
+        del case, cases
     rows = []
     for fmt in ("nvfp4", "mxfp4"):
         for k, n in DENSE_SHAPES:
             case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
-            if (k, 1) not in t_bf16_cache:
-                t_bf16_cache[(k, 1)] = best_bf16(case, 1, log, seed=5)[0]
             tb = t_bf16_cache[(k, 1)]
-            cfg = fm.gemv_config(k, n, **best[1])
-            for name, c, w4 in (
-                ("MMA kernel (default)", None, False),
-                ("GEMV", cfg, False),
-                ("GEMV W4A4 (act. dequant xla)", cfg, "xla"),
+            for name, c in (
+                ("MMA kernel", fm.default_config(16, k, n)),
+                ("GEMV form (mma=False)", fm.gemv_config(k, n)),
+                ("one-token kernel, default", fmv.default_gemv_config(k, n)),
+                ("one-token kernel, sweep best", best[k][1]),
+                ("fp4_matmul default (dispatch)", None),
             ):
-                if w4 and fmt != "nvfp4":
-                    continue
-                t = run_fp4(case, 1, log, seed=9, config=c, w4a4=w4, label="gemv")
-                nbytes = fp4_bytes(1, k, n, fmt, w4a4=bool(w4))
-                rows.append((f"dense {fmt} M=1 {name}", k, n, 1, t, tb, nbytes))
+                t = run_fp4(case, 1, log, seed=9, config=c, label="gemv")
+                rows.append((f"dense {fmt} M=1 {name}", k, n, 1, t, tb, fp4_bytes(1, k, n, fmt)))
             del case
     print_table(rows)
     return rows
@@ -644,6 +675,12 @@ def smoke(log):
             f"smoke {fmt}",
             fm.fp4_matmul(x, qt, config=cfg, interpret=True),
             fm.fp4_matmul_reference(x, qt),
+            log,
+        )
+        check(
+            f"smoke one-token {fmt}",
+            fm.fp4_matmul(x[:1], fm.prepack(qt), interpret=True),
+            fm.fp4_matmul_reference(x[:1], qt),
             log,
         )
     print(json.dumps(log, indent=1))

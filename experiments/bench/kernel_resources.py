@@ -1,4 +1,6 @@
-"""Registers, shared memory and occupancy of the decode-attention kernel, from Nsight Compute.
+"""Registers, shared memory and occupancy of the decode-attention kernel, from Nsight Compute;
+with ``--matmul``, what bounds the FP4 matmul kernels (instruction mix, issue-slot use, memory
+throughput, stall reasons) at K=8192 N=28672.
 
 Occupancy diagnostic for the GPU benchmarks: each configuration runs once in a child process
 under ``ncu`` (launch statistics and occupancy sections of the kernel's first launch).
@@ -56,14 +58,123 @@ def run_case(name: str) -> None:
     jax.block_until_ready(fa.decode_attention(q, k, v, n, config=cfg))
 
 
+MATMUL_METRICS = (
+    "Duration",
+    "DRAM Throughput",
+    "Memory Throughput",
+    "Executed Ipc Active",
+    "Issue Slots Busy",
+    "Issued Ipc Active",
+    "SM Busy",
+    "Executed Instructions",
+    "Registers Per Thread",
+    "Shared Memory Configuration Size",
+    "Dynamic Shared Memory Per Block",
+    "Theoretical Occupancy",
+    "Achieved Occupancy",
+    "Block Limit",
+    "Warp Cycles Per Issued Instruction",
+    "Avg. Active Threads Per Warp",
+    "L1/TEX Hit Rate",
+    "L2 Hit Rate",
+    "Mem Busy",
+    "Max Bandwidth",
+    "Grid Size",
+    "Block Size",
+)
+
+
+def run_matmul_cases() -> None:
+    """Child process: each FP4 matmul kernel of interest runs exactly once (K=8192 N=28672):
+    the earlier one-token GEMV form, the one-token kernel, the MMA kernel at M=16 and the
+    same MMA kernel on bf16 weights at M=16."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp4_matmul as fm
+    from pallas_kernels import fp4_matmul_gemv as fmv
+    from trace_jax import fp4
+
+    k, n = 8192, 28672
+    w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
+    pw = jax.block_until_ready(fm.prepack(fp4.quantize(w, "nvfp4", axis=0)))
+    wt = jax.block_until_ready(jnp.asarray(w.T, jnp.bfloat16))
+    del w
+    x1 = jax.random.normal(jax.random.key(1), (1, k), jnp.float32).astype(jnp.bfloat16)
+    x16 = jax.random.normal(jax.random.key(2), (16, k), jnp.float32).astype(jnp.bfloat16)
+    bf16_cfg = fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=16)
+    for name, fn in (
+        ("gemv form (mma=False)", lambda: fm.fp4_matmul(x1, pw, config=fm.gemv_config(k, n))),
+        ("one-token kernel", lambda: fm.fp4_matmul(x1, pw, config=fmv.default_gemv_config(k, n))),
+        ("mma kernel m=16", lambda: fm.fp4_matmul(x16, pw)),
+        ("bf16 kernel m=16", lambda: fm.bf16_matmul(x16, wt, config=bf16_cfg)),
+    ):
+        print(f"CASE {name}", flush=True)
+        jax.block_until_ready(fn())
+
+
+def matmul_main(ncu: str, out_dir: str) -> int:
+    import os
+
+    cmd = [ncu, "--clock-control", "none", "--section", "SpeedOfLight", "--section",
+           "ComputeWorkloadAnalysis", "--section", "WarpStateStats", "--section",
+           "InstructionStats", "--section", "LaunchStats", "--section", "Occupancy",
+           "--section", "MemoryWorkloadAnalysis", "--metrics",
+           "sass__inst_executed_per_opcode,smsp__pcsamp_warps_issue_stalled_long_scoreboard,"
+           "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,"
+           "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,"
+           "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,"
+           "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,"
+           "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,"
+           "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,"
+           "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,"
+           "dram__bytes_read.sum", "--print-metric-instances", "values",
+           "-k", "regex:fp4_|bf16_matmul", "-c", "4",
+           sys.executable, __file__, "--child-matmul"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    with open(os.path.join(out_dir, "ncu_matmul.txt"), "w") as f:
+        f.write(out)
+    print(f"ncu rc={res.returncode}", flush=True)
+    for ln in out.splitlines():
+        if (
+            ln.startswith("CASE")
+            or "fp4_" in ln
+            or "bf16_matmul" in ln
+            or "stalled" in ln
+            or "pipe_" in ln
+            or "inst_executed_per_opcode" in ln
+            or "dram__bytes" in ln
+            or any(m in ln for m in MATMUL_METRICS)
+        ):
+            print(f"  {re.sub(r'\s+', ' ', ln.strip())[:600]}", flush=True)
+    return 0
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         run_case(sys.argv[2])
+        return 0
+    if len(sys.argv) == 2 and sys.argv[1] == "--child-matmul":
+        run_matmul_cases()
         return 0
     ncu = find_tool("ncu")
     print(f"ncu: {ncu}", flush=True)
     if ncu is None:
         return 1
+    if "--matmul" in sys.argv:
+        import os
+
+        return matmul_main(ncu, os.environ.get("OUT", "."))
     for name in CASES:
         cmd = [ncu, "--section", "LaunchStats", "--section", "Occupancy", "--section",
                "SpeedOfLight", "-k", "regex:decode_attention", "-c", "1",

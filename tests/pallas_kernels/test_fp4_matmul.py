@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fp4_matmul as fm
+from pallas_kernels import fp4_matmul_gemv as fmv
 from trace_jax import fp4
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -143,6 +144,70 @@ def test_dispatcher_xla_path_and_leading_axes():
     _assert_close(y.reshape(6, 64), fm.fp4_matmul_reference(x.reshape(6, 256), qt))
     with pytest.raises(ValueError, match="backend"):
         fm.fp4_linear(x, qt, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- one token
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
+    # every code and scale through the word layout and the kernel's bit decode, exactly
+    k, n = 512, 24
+    qt = _weights(k, n, fmt, seed=11)
+    spec = fp4.get_format(fmt)
+    w = fm.prepack(qt)
+    words = fmv.pack_gemv_words(w.codes, spec, block_k)
+    assert words.shape == (n, k // 8) and words.dtype == jnp.uint32
+    got = fmv.decode_reference(words, w.scales, spec, block_k)
+    g = qt.global_scale if spec.scale_format == "e4m3" else 1.0
+    expected = np.asarray(fp4.dequantize(qt, jnp.float32)).T
+    np.testing.assert_array_equal(np.asarray(got * g), expected)
+    codes = np.asarray(fp4.unpacked_codes(qt)).ravel()
+    assert set(np.unique(codes)) >= set(range(16)) - {8}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,  # the dispatcher's choice for one token and a prepacked weight
+        fmv.Fp4GemvConfig(block_n=32, split_k=1, num_warps=2),
+        fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2),
+    ],
+)
+def test_gemv_matches_reference(fmt, cfg):
+    k, n = 512, 64
+    qt = _weights(k, n, fmt, seed=12)
+    w = fm.prepack(qt)
+    if cfg is not None and cfg.block_k != w.gemv_block_k:
+        w = dataclasses.replace(
+            w, gemv_words=fmv.pack_gemv_words(w.codes, w.fmt, cfg.block_k), gemv_block_k=cfg.block_k
+        )
+    x = _x(1, k, seed=13)
+    y = fm.fp4_matmul(x, w, config=cfg, interpret=True)
+    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+
+
+def test_gemv_nan_propagates():
+    # a NaN block scale (MXFP4) poisons its column; a NaN activation poisons every column
+    qt = _weights(512, 32, "mxfp4", seed=14)
+    qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
+    w = fm.prepack(qt)
+    x = _x(1, 512, seed=15)
+    y = np.asarray(fm.fp4_matmul(x, w, interpret=True), np.float32)
+    assert np.isnan(y[0, 5]) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
+    y = np.asarray(fm.fp4_matmul(x.at[0, 77].set(jnp.nan), w, interpret=True), np.float32)
+    assert np.all(np.isnan(y))
+
+
+def test_gemv_layout_mismatch_and_config_rejected():
+    w = fm.prepack(_weights(512, 32, "nvfp4", seed=16))
+    with pytest.raises(ValueError, match="packed with block_k"):
+        fm.fp4_matmul(_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        fmv.Fp4GemvConfig(block_n=24)
+    assert fm.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -1,0 +1,245 @@
+"""One-token FP4 matmul (GEMV, W4A16) for Hopper GPUs: ``y = x @ dequantize(W)``, x [1, K].
+
+With one token there is nothing for the matrix unit to do: every weight element is used once,
+in one fused multiply-add. So the kernel is a stream of code words through the CUDA cores, and
+its rate is set by how few instructions each weight element costs (decode, convert, FMA) once
+enough bytes are in flight. This file holds that kernel and the weight layout made for it.
+
+Weight layout (``pack_gemv_words``, built once by ``fp4_matmul.prepack``): 32-bit words
+[N, K/8], 8 codes a word. Inside each ``block_k`` step of a row, word ``(g, b)`` holds elements
+``8g .. 8g+7`` of block ``b`` (``g < block_size/8``), stored group-major, so the words of one
+group form a contiguous [rows, block_k/block_size] tile whose column ``b`` is block ``b``: the
+tile's block scales are a plain [rows, block_k/block_size] tile of the stored scales, with no
+broadcast. Inside a word the codes' bits are placed so that four masks and four shifts produce
+four float16 pairs, 11 integer ops for 8 codes (``_decode_word``): float16 bits
+``sign << 15 | magnitude << 9`` are worth ``code * 2**-14`` (the 0.5 code is a float16
+subnormal, which converts to a normal float32 exactly). Each float16 converts to float32 and
+meets x in one fp32 FMA; a block's 16 or 32 products are summed before its scale multiplies
+them once, so the scale costs one FMA per block, not per element.
+
+x is laid out once per call in XLA to match (fp32 [K/block_k * block_size, block_k/block_size]:
+row ``(step, g, slot)`` holds the x values of that slot in every block of the step).
+
+``split_k > 1`` splits K over a second grid axis; the fp32 partial rows are added in XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from trace_jax.fp4 import FormatSpec
+
+# Bit positions, inside a word, of slot r's 3 magnitude bits (lowest bit) and of its sign bit.
+# Slot r is float16 lane r % 2 of pair r // 2 (see _decode_word).
+_MAG_BIT = (9, 25, 6, 22, 3, 19, 0, 16)
+_SIGN_BIT = (15, 31, 12, 28, 14, 30, 13, 29)
+_PAIR = 0x8E008E00  # sign and magnitude bits of both float16 lanes
+_PAIR_MAG = 0x0E000E00
+_PAIR_SIGN = 0x80008000
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4GemvConfig:
+    """Tiling of the one-token kernel.
+
+    Attributes:
+      block_n: weight rows (output features) per program.
+      block_k: contraction elements per loop step; also the granule of the packed word layout
+        (the weight must have been packed with the same value).
+      split_k: programs that share one output row tile along K (partial sums added in XLA).
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the K loop.
+      decode: "f16" (the decode of the module docstring); "none" is a timing diagnostic that
+        reinterprets each loaded word as one float for all 8 slots (wrong values): the same
+        loads and FMAs without the decode and convert instructions.
+    """
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: Literal["f16", "none"] = "f16"
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 8 or v & (v - 1):
+                raise ValueError(f"Fp4GemvConfig.{name} must be a power of two >= 8, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"Fp4GemvConfig.split_k must be >= 1, got {self.split_k}")
+        if self.decode not in ("f16", "none"):
+            raise ValueError(f"Fp4GemvConfig.decode: unknown {self.decode!r}")
+
+
+GEMV_BLOCK_K = Fp4GemvConfig().block_k  # the granule prepack uses by default
+
+
+def gemv_supported(k: int, n: int, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K) -> bool:
+    """Whether a [K, N] weight can use the packed word layout with this ``block_k``."""
+    nb = block_k // fmt.block_size
+    return k % block_k == 0 and nb >= 4 and nb & (nb - 1) == 0 and n % 8 == 0
+
+
+def default_gemv_config(k: int, n: int, block_k: int = GEMV_BLOCK_K) -> Fp4GemvConfig:
+    """Tuned defaults (H200, BENCHMARKS.md): 64-row tiles, ``block_k`` 256, K split until there
+    are at least ~900 programs (about 7 per multiprocessor)."""
+    block_n = 64
+    while n % block_n:
+        block_n //= 2
+    split = 1
+    while n // block_n * split < 896 and k % (block_k * split * 2) == 0:
+        split *= 2
+    return Fp4GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def pack_gemv_words(codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K) -> jax.Array:
+    """Stored codes [N, K/2] uint8 (element 2i in the low nibble of byte i) -> words [N, K/8]
+    uint32 in the kernel's order (module docstring)."""
+    n, half_k = codes.shape
+    k = 2 * half_k
+    bs = fmt.block_size
+    groups, nb = bs // 8, block_k // bs
+    nib = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(n, k).astype(jnp.uint32)
+    # k = step * block_k + b * bs + g * 8 + r  ->  [n, step, g, b, r]
+    nib = nib.reshape(n, k // block_k, nb, groups, 8).transpose(0, 1, 3, 2, 4)
+    mag = jnp.asarray(np.array(_MAG_BIT, np.uint32))
+    sign = jnp.asarray(np.array(_SIGN_BIT, np.uint32))
+    parts = ((nib & 7) << mag) | ((nib >> 3) << sign)
+    words = functools.reduce(jnp.bitwise_or, [parts[..., r] for r in range(8)])
+    return words.reshape(n, k // 8).astype(jnp.uint32)
+
+
+def arrange_x(x: jax.Array, fmt: FormatSpec, block_k: int) -> jax.Array:
+    """x [K] -> fp32 [K/block_k * block_size, block_k/block_size]: row ``(step, g, r)`` holds
+    element ``8g + r`` of every block of the step, matching ``pack_gemv_words``."""
+    (k,) = x.shape
+    bs = fmt.block_size
+    nb = block_k // bs
+    xr = x.astype(jnp.float32).reshape(k // block_k, nb, bs // 8, 8)
+    return xr.transpose(0, 2, 3, 1).reshape(k // block_k * bs, nb)
+
+
+def _decode_word(q: jax.Array) -> list[jax.Array]:
+    """Packed words (uint32, any shape) -> the 8 slots' values as float32, each ``code * 2**-14``.
+
+    Four float16 pairs: one mask, one shift + mask, and two whose magnitudes and signs come from
+    different shifts (no shift pattern tiles a word with sign/magnitude groups, so two pairs
+    need a second shift). Each float16 then converts to float32 (exactly, subnormals too).
+    """
+    u32 = jnp.uint32
+    pairs = (
+        q & u32(_PAIR),
+        (q << 3) & u32(_PAIR),
+        ((q << 6) & u32(_PAIR_MAG)) | ((q << 1) & u32(_PAIR_SIGN)),
+        ((q << 9) & u32(_PAIR_MAG)) | ((q << 2) & u32(_PAIR_SIGN)),
+    )
+    out = []
+    for p in pairs:
+        for lane in (p, p >> 16):
+            h = jax.lax.bitcast_convert_type(lane.astype(jnp.uint16), jnp.float16)
+            out.append(h.astype(jnp.float32))
+    return out
+
+
+def _scale_f32(s: jax.Array, offset: jax.Array, fmt: FormatSpec) -> jax.Array:
+    """Block-scale bytes -> float32 ``scale * 2**(offset - 112)``."""
+    from pallas_kernels.fp4_matmul import _scale_f32_bits  # one definition of the scale bits
+
+    return jax.lax.bitcast_convert_type(_scale_f32_bits(s, offset, fmt), jnp.float32)
+
+
+def decode_reference(words: jax.Array, scales: jax.Array, fmt: FormatSpec, block_k: int):
+    """Pure-JAX inverse of the layout, for tests: words [N, K/8] and scale bytes -> fp32 [N, K]
+    worth ``code * scale`` (offset 112: no power of two folded in)."""
+    n = words.shape[0]
+    k = words.shape[1] * 8
+    bs = fmt.block_size
+    groups, nb = bs // 8, block_k // bs
+    slots = jnp.stack(_decode_word(words.reshape(n, k // block_k, groups, nb)), axis=-1)
+    vals = slots.transpose(0, 1, 3, 2, 4).reshape(n, k // bs, bs) * np.float32(2.0**14)
+    mult = _scale_f32(scales, jnp.int32(112), fmt)
+    return (vals * mult[:, :, None]).reshape(n, k)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps):
+    split = pl.program_id(1)
+    groups = fmt.block_size // 8
+    nb = cfg.block_k // fmt.block_size  # blocks per step = columns of every tile
+    offset = off_ref[0]
+
+    def body(t, acc):
+        step = split * steps + t
+        part = None
+        for g in range(groups):
+            q = c_ref[:, pl.ds((step * groups + g) * nb, nb)]
+            if cfg.decode == "none":
+                slots = [jax.lax.bitcast_convert_type(q, jnp.float32)] * 8
+            else:
+                slots = _decode_word(q)
+            for r, w in enumerate(slots):
+                xv = x_ref[pl.ds((step * groups + g) * 8 + r, 1), :]
+                part = w * xv if part is None else part + w * xv
+        mult = _scale_f32(s_ref[:, pl.ds(step * nb, nb)], offset, fmt)
+        return acc + part * mult
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((cfg.block_n, nb), jnp.float32))
+    y = jnp.sum(acc, axis=1) * g_ref[...]
+    o_ref[...] = y[None, :].astype(o_ref.dtype)
+
+
+def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) -> jax.Array:
+    """``x @ dequantize(w)`` for one token. x: [1, K] bf16; w: ``fp4_matmul.Fp4Weight`` with
+    packed words (``w.gemv_words``, packed with ``config.block_k``). Returns [1, N] bf16."""
+    cfg = config
+    k, n = w.shape
+    fmt = w.fmt
+    if w.gemv_words is None or w.gemv_block_k != cfg.block_k:
+        raise ValueError(
+            f"fp4_gemv: weight packed with block_k={w.gemv_block_k}, config needs {cfg.block_k}"
+        )
+    if x.shape != (1, k):
+        raise ValueError(f"fp4_gemv: x has shape {x.shape}, needs [1, {k}]")
+    if n % cfg.block_n or k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"fp4_gemv: K={k}, N={n} do not tile with {cfg}")
+    steps = k // (cfg.block_k * cfg.split_k)
+    xa = arrange_x(x[0], fmt, cfg.block_k)
+    if cfg.split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
+        out_spec = pl.BlockSpec((1, cfg.block_n), lambda i, s: (0, i))
+    else:
+        out_shape = jax.ShapeDtypeStruct((cfg.split_k, 1, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, 1, cfg.block_n), lambda i, s: (s, 0, i))
+    out = pl.pallas_call(
+        functools.partial(_gemv_kernel, fmt=fmt, cfg=cfg, steps=steps),
+        grid=(n // cfg.block_n, cfg.split_k),
+        in_specs=[
+            pl.BlockSpec(xa.shape, lambda i, s: (0, 0)),
+            pl.BlockSpec((cfg.block_n, k // 8), lambda i, s: (i, 0)),
+            pl.BlockSpec((cfg.block_n, k // fmt.block_size), lambda i, s: (i, 0)),
+            pl.BlockSpec((1,), lambda i, s: (0,)),
+            pl.BlockSpec((cfg.block_n,), lambda i, s: (i,)),
+        ],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"fp4_gemv_{fmt.name}",
+    )(xa, w.gemv_words, w.scales, w.scale_offset.reshape(1), w.out_scale)
+    if cfg.split_k > 1:
+        out = out.sum(axis=0)
+    return out.astype(jnp.bfloat16)
