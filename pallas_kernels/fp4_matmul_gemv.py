@@ -57,6 +57,7 @@ class Fp4GemvConfig:
       split_k: programs that share one output row tile along K (partial sums added in XLA).
       num_warps: warps per program.
       num_stages: software-pipelining depth of the K loop.
+      prefetch: loop steps whose loads are issued ahead, held in registers (0: none).
       decode: "f16" (the decode of the module docstring); "none" is a timing diagnostic that
         reinterprets each loaded word as one float for all 8 slots (wrong values): the same
         loads and FMAs without the decode and convert instructions.
@@ -67,6 +68,7 @@ class Fp4GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: int = 1
     decode: Literal["f16", "none"] = "f16"
 
     def __post_init__(self):
@@ -76,6 +78,8 @@ class Fp4GemvConfig:
                 raise ValueError(f"Fp4GemvConfig.{name} must be a power of two >= 8, got {v}")
         if self.split_k < 1:
             raise ValueError(f"Fp4GemvConfig.split_k must be >= 1, got {self.split_k}")
+        if self.prefetch < 0:
+            raise ValueError(f"Fp4GemvConfig.prefetch must be >= 0, got {self.prefetch}")
         if self.decode not in ("f16", "none"):
             raise ValueError(f"Fp4GemvConfig.decode: unknown {self.decode!r}")
 
@@ -181,23 +185,39 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps)
     groups = fmt.block_size // 8
     nb = cfg.block_k // fmt.block_size  # blocks per step = columns of every tile
     offset = off_ref[0]
+    first, last = split * steps, split * steps + steps - 1
 
-    def body(t, acc):
-        step = split * steps + t
+    def load(step):
+        """One step's code words, scale bytes and x rows (the x rows are L2/L1 hits)."""
+        step = jnp.minimum(step, last)  # the prefetch past the end re-reads the last step
+        qs = tuple(c_ref[:, pl.ds((step * groups + g) * nb, nb)] for g in range(groups))
+        xs = tuple(x_ref[pl.ds(step * 8 * groups + r, 1), :] for r in range(8 * groups))
+        return qs, s_ref[:, pl.ds(step * nb, nb)], xs
+
+    def compute(acc, loaded):
+        qs, sc, xs = loaded
         part = None
-        for g in range(groups):
-            q = c_ref[:, pl.ds((step * groups + g) * nb, nb)]
+        for g, q in enumerate(qs):
             if cfg.decode == "none":
                 slots = [jax.lax.bitcast_convert_type(q, jnp.float32)] * 8
             else:
                 slots = _decode_word(q)
             for r, w in enumerate(slots):
-                xv = x_ref[pl.ds((step * groups + g) * 8 + r, 1), :]
-                part = w * xv if part is None else part + w * xv
-        mult = _scale_f32(s_ref[:, pl.ds(step * nb, nb)], offset, fmt)
-        return acc + part * mult
+                prod = w * xs[8 * g + r]
+                part = prod if part is None else part + prod
+        return acc + part * _scale_f32(sc, offset, fmt)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((cfg.block_n, nb), jnp.float32))
+    def body(t, carry):
+        # ``prefetch`` steps are loaded ahead into registers: Triton pipelines loads that feed
+        # a dot through shared memory, and this loop has none.
+        acc, ahead = carry[0], carry[1:]
+        if not ahead:
+            return (compute(acc, load(first + t)),)
+        return (compute(acc, ahead[0]), *ahead[1:], load(first + t + cfg.prefetch))
+
+    acc = jnp.zeros((cfg.block_n, nb), jnp.float32)
+    init = (acc, *(load(first + d) for d in range(cfg.prefetch)))
+    acc = jax.lax.fori_loop(0, steps, body, init)[0]
     y = jnp.sum(acc, axis=1) * g_ref[...]
     o_ref[...] = y[None, :].astype(o_ref.dtype)
 

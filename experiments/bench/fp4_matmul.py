@@ -470,23 +470,23 @@ def with_gemv_block_k(case: DenseCase, block_k: int) -> DenseCase:
     return dataclasses.replace(case, packed=jax.block_until_ready(packed))
 
 
-GEMV_VARIANTS = (  # (block_n, block_k, split_k, num_warps, num_stages[, decode])
-    (64, 256, 1, 4, 3, "none"),
-    (32, 256, 2, 4, 3, "none"),
-    (64, 256, 1, 4, 3),
-    (64, 256, 2, 4, 3),
-    (32, 256, 1, 4, 3),
-    (32, 256, 2, 4, 3),
-    (128, 256, 1, 4, 3),
-    (128, 256, 1, 8, 3),
-    (64, 256, 1, 4, 4),
-    (64, 256, 1, 4, 2),
-    (64, 256, 1, 2, 3),
-    (32, 256, 1, 2, 3),
-    (16, 256, 1, 2, 3),
-    (64, 256, 4, 4, 3),
-    (64, 512, 1, 4, 3),
-    (128, 512, 1, 8, 3),
+GEMV_VARIANTS = (  # (block_n, block_k, split_k, num_warps, num_stages, prefetch[, decode])
+    (128, 512, 1, 8, 3, 0),
+    (128, 512, 1, 8, 1, 1),
+    (128, 512, 1, 8, 1, 2),
+    (128, 256, 1, 8, 1, 2),
+    (64, 1024, 1, 4, 1, 1),
+    (64, 512, 1, 4, 1, 1),
+    (64, 512, 2, 4, 1, 1),
+    (64, 256, 1, 4, 1, 1),
+    (64, 256, 1, 4, 1, 2),
+    (64, 256, 2, 4, 1, 2),
+    (32, 512, 1, 4, 1, 1),
+    (32, 256, 1, 4, 1, 1),
+    (32, 256, 1, 4, 1, 2),
+    (16, 256, 1, 2, 1, 2),
+    (128, 512, 1, 8, 1, 1, "none"),
+    (64, 256, 1, 4, 1, 2, "none"),
 )
 
 
@@ -501,7 +501,7 @@ def gemv(log, variants=GEMV_VARIANTS):
         t_bf16_cache[(k, 1)] = tb
         cases = {fmv.GEMV_BLOCK_K: case}
         best[k] = (float("inf"), None)
-        for bn, bk, split, warps, stages, *decode in variants:
+        for bn, bk, split, warps, stages, prefetch, *decode in variants:
             if bk not in cases:
                 cases[bk] = with_gemv_block_k(case, bk)
             cfg = fmv.Fp4GemvConfig(
@@ -510,6 +510,7 @@ def gemv(log, variants=GEMV_VARIANTS):
                 split_k=split,
                 num_warps=warps,
                 num_stages=stages,
+                prefetch=prefetch,
                 decode=decode[0] if decode else "f16",
             )
             t = run_fp4(cases[bk], 1, log, seed=11, config=cfg, label="gemv sweep")
@@ -529,13 +530,15 @@ def gemv(log, variants=GEMV_VARIANTS):
             case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
             tb = t_bf16_cache[(k, 1)]
             for name, c in (
-                ("MMA kernel", fm.default_config(16, k, n)),
                 ("GEMV form (mma=False)", fm.gemv_config(k, n)),
                 ("one-token kernel, default", fmv.default_gemv_config(k, n)),
                 ("one-token kernel, sweep best", best[k][1]),
                 ("fp4_matmul default (dispatch)", None),
             ):
-                t = run_fp4(case, 1, log, seed=9, config=c, label="gemv")
+                cc = case
+                if isinstance(c, fmv.Fp4GemvConfig) and c.block_k != fmv.GEMV_BLOCK_K:
+                    cc = with_gemv_block_k(case, c.block_k)
+                t = run_fp4(cc, 1, log, seed=9, config=c, label="gemv")
                 rows.append((f"dense {fmt} M=1 {name}", k, n, 1, t, tb, fp4_bytes(1, k, n, fmt)))
             del case
     print_table(rows)

@@ -88,6 +88,8 @@ def run_matmul_cases() -> None:
     """Child process: each FP4 matmul kernel of interest runs exactly once (K=8192 N=28672):
     the earlier one-token GEMV form, the one-token kernel, the MMA kernel at M=16 and the
     same MMA kernel on bf16 weights at M=16."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -103,10 +105,15 @@ def run_matmul_cases() -> None:
     x1 = jax.random.normal(jax.random.key(1), (1, k), jnp.float32).astype(jnp.bfloat16)
     x16 = jax.random.normal(jax.random.key(2), (16, k), jnp.float32).astype(jnp.bfloat16)
     bf16_cfg = fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=16)
+    tile = dict(block_n=128, block_k=512, num_warps=8)
+    pw512 = dataclasses.replace(
+        pw, gemv_words=fmv.pack_gemv_words(pw.codes, pw.fmt, 512), gemv_block_k=512
+    )
+    one_token = {p: fmv.Fp4GemvConfig(**tile, prefetch=p, num_stages=3 - 2 * p) for p in (0, 1)}
     for name, fn in (
         ("gemv form (mma=False)", lambda: fm.fp4_matmul(x1, pw, config=fm.gemv_config(k, n))),
-        ("one-token kernel", lambda: fm.fp4_matmul(x1, pw, config=fmv.default_gemv_config(k, n))),
-        ("mma kernel m=16", lambda: fm.fp4_matmul(x16, pw)),
+        ("one-token kernel", lambda: fm.fp4_matmul(x1, pw512, config=one_token[0])),
+        ("one-token kernel, prefetch 1", lambda: fm.fp4_matmul(x1, pw512, config=one_token[1])),
         ("bf16 kernel m=16", lambda: fm.bf16_matmul(x16, wt, config=bf16_cfg)),
     ):
         print(f"CASE {name}", flush=True)
@@ -116,11 +123,13 @@ def run_matmul_cases() -> None:
 def matmul_main(ncu: str, out_dir: str) -> int:
     import os
 
+    log_path = os.path.join(out_dir, "ncu_matmul.txt")  # written as the profiler goes
+
     cmd = [ncu, "--clock-control", "none", "--section", "SpeedOfLight", "--section",
            "ComputeWorkloadAnalysis", "--section", "WarpStateStats", "--section",
            "InstructionStats", "--section", "LaunchStats", "--section", "Occupancy",
            "--section", "MemoryWorkloadAnalysis", "--metrics",
-           "sass__inst_executed_per_opcode,smsp__pcsamp_warps_issue_stalled_long_scoreboard,"
+           "sass__inst_executed_per_opcode,"
            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,"
            "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,"
            "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,"
@@ -138,12 +147,14 @@ def matmul_main(ncu: str, out_dir: str) -> int:
            "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,"
            "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,"
            "dram__bytes_read.sum", "--print-metric-instances", "values",
-           "-k", "regex:fp4_|bf16_matmul", "-c", "4",
+           "-k", "regex:fp4_|bf16_matmul", "-c", "4", "--log-file", log_path,
            sys.executable, __file__, "--child-matmul"]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    out = res.stdout + res.stderr
-    with open(os.path.join(out_dir, "ncu_matmul.txt"), "w") as f:
-        f.write(out)
+    # No preallocated pool: the profiler saves and restores device memory between its passes.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(res.stdout[-2000:] + res.stderr[-2000:], flush=True)
+    with open(log_path) as f:
+        out = f.read()
     print(f"ncu rc={res.returncode}", flush=True)
     for ln in out.splitlines():
         if (
