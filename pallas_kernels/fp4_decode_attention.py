@@ -190,19 +190,31 @@ def _load_tile(refs, start, cfg, fmt: CacheFormat):
     return [even, odd], col
 
 
-def _decode_attention_kernel(len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_scale, window):
-    q_refs = refs[:n_parts]
-    k_refs = refs[n_parts : n_parts + n_k]
-    v_refs = refs[n_parts + n_k : n_parts + 2 * n_k]
-    o_refs = refs[n_parts + 2 * n_k : 2 * n_parts + 2 * n_k]
-    m_ref, l_ref = refs[2 * n_parts + 2 * n_k :]
+def _decode_attention_kernel(
+    len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_scale, window, fused
+):
+    """One (KV head, split, sequence) program. Refs, in order: [slot] (fused), q parts, K and V
+    cache operands, [the new token's K and V parts (float32) and stored rows] (fused); outputs:
+    o parts, m, l, [the K and V cache operands again, aliased] (fused)."""
+    refs = list(refs)
+    slot_ref = refs.pop(0) if fused else None
+    take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    q_refs, k_refs, v_refs = take(n_parts), take(n_k), take(n_k)
+    if fused:
+        nk_refs, nv_refs, row_refs = take(n_parts), take(n_parts), take(2 * n_k)
+    o_refs = take(n_parts)
+    m_ref, l_ref = take(2)
     split = pl.program_id(1)
     bk = cfg.block_k
     rows = max(_MIN_ROWS, _next_pow2(group))
     row_mask = jnp.arange(rows) < group
 
+    # Cache slots [lo, hi) are read from the cache; with the fused append, the new token (slot
+    # ``hi`` when ``slot >= 0``) comes from its operands and is attended by split 0 only.
     hi = len_ref[...]
-    lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
+    new = jnp.logical_and(split == 0, slot_ref[...] >= 0) if fused else None
+    end = hi + (slot_ref[...] >= 0).astype(jnp.int32) if fused else hi
+    lo = jnp.maximum(end - window, 0) if window is not None else jnp.int32(0)
     lo_aligned = (lo // bk) * bk
     n_blocks = jnp.maximum(pl.cdiv(hi - lo_aligned, bk), 0)
     per_split = pl.cdiv(n_blocks, cfg.num_splits)
@@ -251,10 +263,39 @@ def _decode_attention_kernel(len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_s
     m = jnp.full((rows,), _NEG_INIT, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     accs, m, l = jax.lax.fori_loop(0, n_steps, body, (accs, m, l))
+    if fused:
+        accs, m, l = _attend_new_token(qs, nk_refs, nv_refs, new, logit_scale, accs, m, l)
+
+        @pl.when(new)
+        def _write():  # the cache operands' outputs alias their inputs: one row each
+            slot = slot_ref[...]
+            for row_ref, out_ref in zip(row_refs, refs, strict=True):
+                out_ref[slot] = row_ref[...]
+
     for o_ref, acc in zip(o_refs, accs, strict=True):
         plgpu.store(o_ref, acc, mask=row_mask[:, None])
     plgpu.store(m_ref, m, mask=row_mask)
     plgpu.store(l_ref, l, mask=row_mask)
+
+
+def _attend_new_token(qs, nk_refs, nv_refs, new, logit_scale, accs, m, l):
+    """Fold the new token into the online softmax (where ``new``; a no-op elsewhere).
+
+    qs: the q parts [rows, d] bf16; nk_refs / nv_refs: its K and V parts [d] float32.
+    """
+    s = sum(
+        jnp.sum(q.astype(jnp.float32) * r[...][None, :], axis=1)
+        for q, r in zip(qs, nk_refs, strict=True)
+    )
+    s = jnp.where(new, s * logit_scale, -jnp.inf)
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new)
+    accs = tuple(
+        acc * alpha[:, None] + jnp.where(new, p[:, None] * r[...][None, :], 0.0)
+        for acc, r in zip(accs, nv_refs, strict=True)
+    )
+    return accs, m_new, l * alpha + p
 
 
 def _combine(o_parts, m, l):
@@ -297,6 +338,91 @@ def decode_attention(
     Returns:
       [B, Hq, D] bf16 (zeros for a sequence of length 0).
     """
+    fmt, cfg = _check(q, k, v, window, config, interpret)
+    out, _ = _attention_call(
+        q, _operands(k), _operands(v), lengths, fmt, cfg, sm_scale, window, interpret
+    )
+    return out
+
+
+@functools.partial(
+    jax.jit, donate_argnums=(1, 2), static_argnames=("sm_scale", "window", "config", "interpret")
+)
+def decode_attention_append(
+    q: jax.Array,
+    k: kv_cache.Stored,
+    v: kv_cache.Stored,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    lengths: jax.Array,
+    *,
+    qts: tuple[fp4.QTensor | None, fp4.QTensor | None] | None = None,
+    valid: jax.Array | None = None,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    config: DecodeAttentionConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, kv_cache.Stored, kv_cache.Stored]:
+    """Write the new token's K and V into the cache and attend over it, in one kernel launch.
+
+    Equal to ``kv_append_many([k, v], [new_k, new_v], lengths, qts=qts, valid=valid)`` followed
+    by ``decode_attention(q, k, v, lengths + taken)``, where ``taken`` marks the sequences whose
+    token was written (``valid`` and ``lengths < S``). The new token is attended from its
+    operands (its stored value, dequantized in XLA), so no program reads a slot that another
+    one writes. ``k`` and ``v`` are donated and updated in place. An FP8 cache, or one whose
+    tiles the compiled kernel does not take, goes through the two calls above.
+
+    Args:
+      q: [B, Hq, D] bf16, the new tokens' queries.
+      k, v: the layer's stored K and V, logical [B, S, Hkv, D] (as ``decode_attention``).
+      new_k, new_v: [B, Hkv, D] or [B, 1, Hkv, D], the new token's K and V (the KV sites'
+        outputs).
+      lengths: [B] int32, the first free slot of each sequence (the new token's slot).
+      qts: for FP4 caches, the ``QTensor`` each KV site quantized (as ``kv_append``).
+      valid: [B] bool, which sequences take a token (all when None).
+      sm_scale, window, config, interpret: as ``decode_attention``.
+    Returns:
+      (out [B, Hq, D] bf16, updated k, updated v).
+    """
+    fmt, cfg = _check(q, k, v, window, config, interpret)
+    b, s = _cache_shape(k)[:2]
+    qts = list(qts) if qts is not None else [None, None]
+    ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
+    taken = ok & (lengths < s) & (lengths >= 0)
+    if fmt == "fp8" or not (interpret or kernel_fits([k, v])):
+        use_kernel = interpret or (jax.default_backend() == "gpu" and kernel_fits([k, v]))
+        k, v = _kv_append([k, v], [new_k, new_v], lengths, qts, ok, use_kernel, interpret)
+        new_lengths = lengths + taken.astype(jnp.int32)
+        out, _ = _attention_call(
+            q, _operands(k), _operands(v), new_lengths, fmt, cfg, sm_scale, window, interpret
+        )
+        return out, k, v
+    news = _new_storage([k, v], [new_k, new_v], qts)
+    parts = [_q_parts(kv_cache.read(n, jnp.float32)[:, 0], fmt) for n in news]
+    rows = [[a[:, 0] for a in _as_bytes(_operands(n))] for n in news]
+    slots = jnp.where(taken, lengths, -1).astype(jnp.int32)
+    append = (slots, parts[0], parts[1], rows[0] + rows[1])
+    out, written = _attention_call(
+        q,
+        _as_bytes(_operands(k)),
+        _as_bytes(_operands(v)),
+        lengths,
+        fmt,
+        cfg,
+        sm_scale,
+        window,
+        interpret,
+        append=append,
+    )
+    return (
+        out,
+        _from_operands(k, written[: len(rows[0])]),
+        _from_operands(v, written[len(rows[0]) :]),
+    )
+
+
+def _check(q, k, v, window, config, interpret):
+    """Validate the shapes; returns (cache format, tiling)."""
     fmt = cache_format(k)
     if cache_format(v) != fmt:
         raise ValueError(f"decode_attention: K is {fmt} but V is {cache_format(v)}")
@@ -313,31 +439,90 @@ def decode_attention(
         raise ValueError(f"decode_attention: cache length {s} is not a multiple of {cfg.block_k}")
     if interpret:
         cfg = dataclasses.replace(cfg, dequant="portable")
+    return fmt, cfg
+
+
+def _q_parts(x: jax.Array, fmt: CacheFormat) -> list[jax.Array]:
+    """[..., D] -> its even and odd D positions for FP4 caches (the decoded tiles' layout)."""
+    return [x[..., 0::2], x[..., 1::2]] if fmt in ("nvfp4", "mxfp4") else [x]
+
+
+def _as_bytes(arrays: list[jax.Array]) -> list[jax.Array]:
+    """1-byte floats viewed as uint8 (the kernel writes bytes; it reads either)."""
+    return [
+        jax.lax.bitcast_convert_type(a, jnp.uint8)
+        if a.dtype.itemsize == 1 and a.dtype != jnp.uint8
+        else a
+        for a in arrays
+    ]
+
+
+def _from_operands(stored: kv_cache.Stored, arrays: list[jax.Array]) -> kv_cache.Stored:
+    """Rebuild a stored buffer from its (byte-viewed) kernel operands (inverse of _operands)."""
+    old = jax.tree.leaves(stored)
+    leaves = [
+        (jax.lax.bitcast_convert_type(a, o.dtype) if a.dtype != o.dtype else a).reshape(o.shape)
+        for a, o in zip(arrays, old, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(stored), leaves)
+
+
+def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interpret, append=None):
+    """The Pallas call over the cache operands ([B, S, Hkv, ...] each).
+
+    ``append``: None, or (slots [B] int32, new K parts, new V parts, stored rows) for the fused
+    append, the rows [B, Hkv, ...] one per cache operand (K's then V's). Returns (out [B, Hq, D]
+    bf16, the written cache operands (empty without ``append``)).
+    """
+    b, s, hkv = k_ops[0].shape[:3]
+    hq, d = q.shape[1:]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     group = hq // hkv
     rows = max(_MIN_ROWS, _next_pow2(group))
     splits = cfg.num_splits
 
-    qg = q.astype(jnp.bfloat16).reshape(b, hkv, group, d)
-    q_parts = [qg[..., 0::2], qg[..., 1::2]] if fmt in ("nvfp4", "mxfp4") else [qg]
+    q_parts = _q_parts(q.astype(jnp.bfloat16).reshape(b, hkv, group, d), fmt)
     dp = q_parts[0].shape[-1]
-    k_ops, v_ops = _operands(k), _operands(v)
 
     def cache_spec(a):
         if a.ndim == 4:
             return pl.BlockSpec((None, s, None, a.shape[3]), lambda h, j, i: (i, 0, h, 0))
         return pl.BlockSpec((None, s, None), lambda h, j, i: (i, 0, h))
 
+    def row_spec(a):  # [B, Hkv, ...] -> one (sequence, KV head)'s row
+        return pl.BlockSpec(
+            (None, None, *a.shape[2:]), lambda h, j, i: (i, h) + (0,) * (a.ndim - 2)
+        )
+
+    cache_ops = k_ops + v_ops
     in_specs = (
         [pl.BlockSpec((None,), lambda h, j, i: (i,))]
         + [pl.BlockSpec((None, None, rows, dp), lambda h, j, i: (i, h, 0, 0))] * len(q_parts)
-        + [cache_spec(a) for a in k_ops + v_ops]
+        + [cache_spec(a) for a in cache_ops]
     )
+    operands = [lengths.astype(jnp.int32), *q_parts, *cache_ops]
     part_shape = jax.ShapeDtypeStruct((b, hkv, splits, group, dp), jnp.float32)
     stat_shape = jax.ShapeDtypeStruct((b, hkv, splits, group), jnp.float32)
     out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda h, j, i: (i, h, j, 0, 0))] * len(
         q_parts
     ) + [pl.BlockSpec((None, None, None, rows), lambda h, j, i: (i, h, j, 0))] * 2
+    out_shape = [part_shape] * len(q_parts) + [stat_shape] * 2
+    aliases = {}
+    if append is not None:
+        slots, nk, nv, new_rows = append
+        extra = [*nk, *nv, *new_rows]
+        in_specs = (
+            in_specs[:1]
+            + [pl.BlockSpec((None,), lambda h, j, i: (i,))]
+            + in_specs[1:]
+            + [row_spec(a) for a in extra]
+        )
+        first_cache = 2 + len(q_parts)
+        operands = [operands[0], slots, *operands[1:], *extra]
+        out_specs += [cache_spec(a) for a in cache_ops]
+        out_shape += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in cache_ops]
+        n_out = len(q_parts) + 2
+        aliases = {first_cache + i: n_out + i for i in range(len(cache_ops))}
     kernel = functools.partial(
         _decode_attention_kernel,
         fmt=fmt,
@@ -347,20 +532,23 @@ def decode_attention(
         group=group,
         sm_scale=sm_scale,
         window=window,
+        fused=append is not None,
     )
-    *o_parts, m, l = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         grid=(hkv, splits, b),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[part_shape] * len(q_parts) + [stat_shape] * 2,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"decode_attention_{fmt}",
-    )(lengths.astype(jnp.int32), *q_parts, *k_ops, *v_ops)
-    parts = _combine(o_parts, m, l)
+        name=f"decode_attention_{fmt}" + ("_append" if append is not None else ""),
+    )(*operands)
+    n = len(q_parts)
+    parts = _combine(outs[:n], outs[n], outs[n + 1])
     out = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(b, hkv, group, d)
-    return out.reshape(b, hq, d).astype(jnp.bfloat16)
+    return out.reshape(b, hq, d).astype(jnp.bfloat16), list(outs[n + 2 :])
 
 
 # ----------------------------------------------------------------------------- reference
@@ -481,14 +669,7 @@ def _row_views(stored: list[kv_cache.Stored]) -> list[jax.Array]:
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("kernel", "interpret"))
 def _kv_append(stored, values, lengths, qts, valid, kernel, interpret):
     b = lengths.shape[0]
-    news = []
-    for buf, value, qt in zip(stored, values, qts, strict=True):
-        if value.ndim == 3:
-            value = value[:, None]
-        fmt = cache_format(buf)
-        if fmt in ("nvfp4", "mxfp4") and qt is None:
-            qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
-        news.append(kv_cache.to_storage(fmt, value, qt))
+    news = _new_storage(stored, values, qts)
     ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
     if not kernel:
         return [
@@ -505,6 +686,20 @@ def _kv_append(stored, values, lengths, qts, valid, kernel, interpret):
         for w, old in zip(written, jax.tree.leaves(stored), strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(stored), leaves)
+
+
+def _new_storage(stored, values, qts):
+    """The new token's K/V in each buffer's stored form, logical [B, 1, Hkv, D] (FP4 values
+    without a site ``QTensor`` are quantized as the KV site's RTN mode does)."""
+    news = []
+    for buf, value, qt in zip(stored, values, qts, strict=True):
+        if value.ndim == 3:
+            value = value[:, None]
+        fmt = cache_format(buf)
+        if fmt in ("nvfp4", "mxfp4") and qt is None:
+            qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        news.append(kv_cache.to_storage(fmt, value, qt))
+    return news
 
 
 def _append_kernel(slot_ref, *refs, n):

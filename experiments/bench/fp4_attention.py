@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --sweep    # tiling sweep per format
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --diagnose # decode variants, nvfp4
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --smoke    # tiny shapes, CPU interpret
+    PYTHONPATH=. python3 experiments/bench/fp4_attention.py --append   # kv_append alone
+    PYTHONPATH=. python3 experiments/bench/fp4_attention.py --fused    # append fused into attention
 
 Method (shared/BENCHMARKING.md): every path is first compared with the pure-JAX reference on
 fresh random inputs (NaN fails); times are medians of repeated back-to-back runs of one jitted
@@ -243,6 +245,100 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
     return results
 
 
+FUSED_PATHS = ("attention only", "kv_append_many + attention", "fused append + attention")
+
+
+def time_fused(b, s, fmt, log, calls=(2, 10), reps=5):
+    """Device seconds per layer decode step: attention alone (the cache already written), the
+    engine's former two launches (``kv_append_many`` with the site codes given, then
+    ``decode_attention``), and ``decode_attention_append`` (one launch). The append's cost is
+    each path's time minus "attention only". Timed as the slope between programs of
+    ``calls[0]`` and ``calls[1]`` steps on chained, donated caches (host dispatch drops out);
+    the fused path is first checked against the reference on the written cache.
+    Returns {path: seconds}.
+    """
+    (q, k_buf, v_buf, _), *_ = make_case(b, s, fmt, 1, seed=b)
+    lengths = jax.random.randint(jax.random.key(2), (b,), s // 2, s - max(calls), jnp.int32)
+    site = kv_cache._site_global_scale(fmt)
+    xs = [
+        jax.random.normal(jax.random.key(10 + i), (b, 1, HKV, D), jnp.float32).astype(jnp.bfloat16)
+        for i in range(max(calls))
+    ]
+    fp4_cache = fmt in ("nvfp4", "mxfp4")
+    qts = [fp4.quantize(x, fmt, axis=-1, global_scale=site) if fp4_cache else None for x in xs]
+    interp = jax.default_backend() != "gpu"  # plumbing checks on the CPU
+    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2) if interp else None
+
+    def step(path, kb, vb, x, qt, n):
+        if path == "attention only":
+            return fa.decode_attention(q, kb, vb, n + 1, config=cfg, interpret=interp), kb, vb
+        if path == "kv_append_many + attention":
+            kb, vb = fa.kv_append_many(
+                [kb, vb], [x, x], n, qts=[qt, qt], kernel=True, interpret=interp
+            )
+            return fa.decode_attention(q, kb, vb, n + 1, config=cfg, interpret=interp), kb, vb
+        return fa.decode_attention_append(
+            q, kb, vb, x, x, n, qts=(qt, qt), config=cfg, interpret=interp
+        )
+
+    out, got_k, got_v = step(
+        "fused append + attention",
+        jax.tree.map(jnp.copy, k_buf),
+        jax.tree.map(jnp.copy, v_buf),
+        xs[0],
+        qts[0],
+        lengths,
+    )
+    ref = fa.decode_attention_reference(q, got_k, got_v, lengths + 1)
+    want_k = kv_cache.write(k_buf, stored(fmt, xs[0]), lengths, jnp.ones((b, 1), bool))
+    err = rel_error(out, ref)
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+        for a, e in zip(jax.tree.leaves(got_k), jax.tree.leaves(want_k), strict=True)
+    )
+    ok = bool(err <= REL_TOL) and same
+    log.append(dict(check=f"fused append {fmt} B={b} S={s}", rel_err=err, bytes_same=same, ok=ok))
+    print(f"  fused append {fmt} B={b} S={s}: rel err {err:.2e}, cache bytes exact {same}")
+
+    def program_seconds(path, n_calls):
+        def steps(kb, vb, xs, qs, lengths):
+            acc = jnp.zeros(q.shape, jnp.float32)
+            for i, (x, qt) in enumerate(zip(xs, qs, strict=True)):
+                out, kb, vb = step(path, kb, vb, x, qt, lengths + i)
+                acc = acc + out.astype(jnp.float32)
+            return acc, kb, vb
+
+        prog = jax.jit(steps, donate_argnums=(0, 1))
+        args = (xs[:n_calls], qts[:n_calls], lengths)
+        _, kb, vb = jax.block_until_ready(
+            prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), *args)
+        )
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                _, kb, vb = prog(kb, vb, *args)
+            jax.block_until_ready((kb, vb))
+            samples.append((time.perf_counter() - t0) / 10)
+        return float(np.median(samples))
+
+    results = {}
+    lo, hi = calls
+    for path in FUSED_PATHS:
+        t = (program_seconds(path, hi) - program_seconds(path, lo)) / (hi - lo)
+        results[path] = t
+        log.append(dict(path=f"decode step: {path}", fmt=fmt, b=b, s=s, us=t * 1e6, ok=ok))
+    base = results["attention only"]
+    for path, t in results.items():
+        extra = (t - base) * 1e6
+        print(
+            f"  {path:28s} {fmt} B={b} S={s}: {t * 1e6:7.2f} us per layer, append "
+            f"{extra:+6.2f} us ({100 * extra / (base * 1e6):+.1f} % of attention)",
+            flush=True,
+        )
+    return results
+
+
 # ----------------------------------------------------------------------------- table
 
 
@@ -378,6 +474,9 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--diagnose", action="store_true")
     p.add_argument("--append", action="store_true", help="only time kv_append (B=64 S=2048)")
+    p.add_argument(
+        "--fused", action="store_true", help="append fused into the attention (B=64 S=2048)"
+    )
     p.add_argument("--formats", default=",".join(FORMATS), help="formats for --sweep")
     p.add_argument("--log", default=os.path.join(os.environ.get("OUT", "."), "fp4_attention.json"))
     args = p.parse_args(argv)
@@ -389,6 +488,9 @@ def main(argv=None):
         diagnose(log)
     elif args.append:
         time_append(64, 2048, "nvfp4", log, diagnose=True)
+    elif args.fused:
+        for fmt in ("nvfp4", "mxfp4", "bf16"):
+            time_fused(64, 2048, fmt, log)
     else:
         configs = sweep(log, formats=args.formats.split(",")) if args.sweep else None
         print_table(table(log, configs))

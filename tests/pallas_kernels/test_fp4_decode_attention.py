@@ -213,6 +213,35 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
         _assert_same_bytes(out, expect)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_append_equals_append_then_attend(fmt, window):
+    """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
+    ``decode_attention`` over the written cache (the new token included where it was taken)."""
+    b, s, hkv, hq, d = 4, 32, 2, 8, 32
+    q, k_buf, v_buf = _inputs(fmt, b, s, hkv, hq, d, seed=11)
+    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    lengths = jnp.array([0, 17, 31, 32], jnp.int32)  # empty, middle, last slot, full (dropped)
+    valid = jnp.array([True, False, True, True])
+    want_k, want_v = fa.kv_append_many(
+        [jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf)],
+        [k, v],
+        lengths,
+        valid=valid,
+        kernel=False,
+    )
+    taken = valid & (lengths < s)
+    ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken, window=window)
+    kp, vp = _poison(k_buf, lengths), _poison(v_buf, lengths)  # stale slots, and the new slot
+    out, got_k, got_v = fa.decode_attention_append(
+        q, kp, vp, k, v, lengths, valid=valid, window=window, config=SMALL, interpret=True
+    )
+    _assert_close(out[taken | (lengths > 0)], ref[taken | (lengths > 0)])
+    # Only the taken slots were written: the stored bytes equal the two-call path's.
+    _assert_same_bytes(_poison(got_k, lengths + taken), _poison(want_k, lengths + taken))
+    _assert_same_bytes(_poison(got_v, lengths + taken), _poison(want_v, lengths + taken))
+
+
 def _assert_same_bytes(got, expect):
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype
@@ -248,3 +277,27 @@ def test_gpu_window_and_small_tiles(fmt):
         for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4)):
             y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
             _assert_close(y, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("b", "s"), [(64, 2048), (8, 32768)])
+def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
+    hkv, hq, d = 4, 32, 128
+    q, k_buf, v_buf = _inputs(fmt, b, s, hkv, hq, d, seed=b + 1)
+    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    lengths = jax.random.randint(jax.random.key(s), (b,), 0, s + 1, jnp.int32)
+    lengths = lengths.at[0].set(0).at[1].set(s - 1).at[2].set(s)
+    valid = jnp.arange(b) % 5 != 3
+    want_k, want_v = fa.kv_append_many(
+        [jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf)], [k, v], lengths, valid=valid
+    )
+    taken = valid & (lengths < s)
+    ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken)
+    out, got_k, got_v = fa.decode_attention_append(
+        q, _poison(k_buf, lengths), _poison(v_buf, lengths), k, v, lengths, valid=valid
+    )
+    keep = taken | (lengths > 0)
+    _assert_close(out[keep], ref[keep])
+    _assert_same_bytes(_poison(got_k, lengths + taken), _poison(want_k, lengths + taken))
+    _assert_same_bytes(_poison(got_v, lengths + taken), _poison(want_v, lengths + taken))

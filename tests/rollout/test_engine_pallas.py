@@ -163,21 +163,21 @@ def test_training_forward_is_unaffected(engines, models):
 
 @pytest.mark.parametrize("kv, tol", [("bf16", 3e-3), ("nvfp4", 2.5e-2)])
 def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeypatch):
-    """backend="pallas" with the decode-attention and MoE kernels: every decoded token's
-    log-prob equals a full forward's over the same sequence (the reference path) within the
-    bound that holds for the XLA engine too (measured: max 1.6e-3 bf16 KV, 1.5e-2 NVFP4; the
-    bf16 forward with FP4 activation sites amplifies one-ulp differences)."""
+    """backend="pallas" with the decode-attention (fused K/V append) and MoE kernels: every
+    decoded token's log-prob equals a full forward's over the same sequence (the reference
+    path) within the bound that holds for the XLA engine too (measured: max 1.6e-3 bf16 KV,
+    1.5e-2 NVFP4; the bf16 forward with FP4 activation sites amplifies one-ulp differences)."""
     policy = QuantPolicy.bf16() if kv == "bf16" else QuantPolicy.rollout(kv)
     forward_policy = QuantPolicy.bf16() if kv == "bf16" else QuantPolicy.qat(kv)
     model = models["generic"]
     calls = []
-    kernel = fp4_decode_attention.decode_attention
+    kernel = fp4_decode_attention.decode_attention_append
 
-    def counted(*args, **kw):  # runs at trace time: the decode step uses the kernel
+    def counted(*args, **kw):  # runs at trace time: the decode step uses the fused kernel
         calls.append(args[1])
         return kernel(*args, **kw)
 
-    monkeypatch.setattr(fp4_decode_attention, "decode_attention", counted)
+    monkeypatch.setattr(fp4_decode_attention, "decode_attention_append", counted)
     eng = RolloutEngine(
         model,
         policy,

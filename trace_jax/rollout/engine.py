@@ -285,28 +285,24 @@ class RolloutEngine:
 
         def kv_access(layer, q, kv, codes, positions):
             lc = cache.layers[layer]
-            if kernel:  # K and V written by one kernel launch
-                k_buf, v_buf = fp4_decode_attention.kv_append_many(
-                    [lc.k, lc.v],
-                    list(kv),
+            if kernel:  # K and V written by the attention kernel's launch (fused append)
+                out, k_buf, v_buf = fp4_decode_attention.decode_attention_append(
+                    q[:, 0],
+                    lc.k,
+                    lc.v,
+                    *kv,
                     lengths,
-                    qts=list(codes),
+                    qts=tuple(codes),
                     valid=valid[:, 0],
                     interpret=interpret,
                 )
-            else:
-                k_buf, v_buf = (
-                    kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
-                    for buf, x, qt in zip((lc.k, lc.v), kv, codes, strict=True)
-                )
-            if kernel:
-                out = fp4_decode_attention.decode_attention(
-                    q[:, 0], k_buf, v_buf, new_lengths, interpret=interpret
-                )[:, None]
-            else:
-                k_all, v_all = (kv_cache.read(x, dtype) for x in (k_buf, v_buf))
-                mask = layers.causal_mask(positions, slots, kv_valid)
-                out = layers.attention(q, k_all, v_all, mask)
+                return out[:, None], kv_cache.LayerCache(k_buf, v_buf)
+            k_buf, v_buf = (
+                kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
+                for buf, x, qt in zip((lc.k, lc.v), kv, codes, strict=True)
+            )
+            k_all, v_all = (kv_cache.read(x, dtype) for x in (k_buf, v_buf))
+            out = layers.attention(q, k_all, v_all, layers.causal_mask(positions, slots, kv_valid))
             return out, kv_cache.LayerCache(k_buf, v_buf)
 
         out = model(tokens, positions=positions, policy=self.policy, kv_access=kv_access)
