@@ -176,9 +176,11 @@ class Fp4Weight:
       scale_offset: int32 [], the power of two ``c`` folded into the block scales in-kernel.
       out_scale: [N] float32, ``global_scale * 2**(126 - c)``; NaN where a row holds a NaN scale.
       qtensor: the source ``QTensor`` (for the reference and the XLA fallback; shares buffers).
-      gemv_words: [N, K/8] uint32, the codes again in the one-token kernel's word layout
+      gemv_words: uint32, the codes again in the one-token kernel's word layout
         (``fp4_matmul_gemv.pack_gemv_words``), or None; a second copy of the codes.
+      gemv_scales: the block scales tiled as ``gemv_words`` (row-tiled layout only), or None.
       gemv_block_k: the ``block_k`` granule ``gemv_words`` was packed with (0: none).
+      gemv_block_n: the row tile of a row-tiled layout, 0 for rows in order.
     """
 
     codes: jax.Array
@@ -187,7 +189,9 @@ class Fp4Weight:
     out_scale: jax.Array
     qtensor: QTensor
     gemv_words: jax.Array | None = None
+    gemv_scales: jax.Array | None = None
     gemv_block_k: int = dataclasses.field(default=0, metadata=dict(static=True))
+    gemv_block_n: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def fmt(self) -> FormatSpec:
@@ -213,8 +217,8 @@ def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
     packed = _prepack_arrays(w)
     k, n = w.shape
     if gemv and fmv.gemv_supported(k, n, w.fmt):
-        words = fmv.pack_gemv_words(w.codes, w.fmt, fmv.GEMV_BLOCK_K)
-        packed = dataclasses.replace(packed, gemv_words=words, gemv_block_k=fmv.GEMV_BLOCK_K)
+        cfg = fmv.default_gemv_config(k, n)
+        packed = fmv.with_gemv_layout(packed, cfg.block_k, fmv.layout_block_n(cfg, n))
     return packed
 
 
@@ -549,7 +553,7 @@ def fp4_matmul(
     if x.shape != (m, k):
         raise ValueError(f"fp4_matmul: x has shape {x.shape}, weight needs [M, {k}]")
     if config is None and m == 1 and w.gemv_words is not None:
-        config = fmv.default_gemv_config(k, n, w.gemv_block_k)
+        config = fmv.default_gemv_config(k, n, w.gemv_block_k, w.gemv_block_n)
     if isinstance(config, fmv.Fp4GemvConfig):
         return fmv.fp4_gemv(x.astype(jnp.bfloat16), w, config, interpret)
     cfg = config or default_config(m, k, n)

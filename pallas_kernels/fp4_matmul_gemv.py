@@ -57,7 +57,8 @@ class Fp4GemvConfig:
       split_k: programs that share one output row tile along K (partial sums added in XLA).
       num_warps: warps per program.
       num_stages: software-pipelining depth of the K loop.
-      prefetch: loop steps whose loads are issued ahead, held in registers (0: none).
+      prefetch: loop steps whose code words and scales are loaded ahead into registers
+        (0: none).
       decode: "f16" (the decode of the module docstring); "none" is a timing diagnostic that
         reinterprets each loaded word as one float for all 8 slots (wrong values): the same
         loads and FMAs without the decode and convert instructions.
@@ -93,24 +94,41 @@ def gemv_supported(k: int, n: int, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K)
     return k % block_k == 0 and nb >= 4 and nb & (nb - 1) == 0 and n % 8 == 0
 
 
-def default_gemv_config(k: int, n: int, block_k: int = GEMV_BLOCK_K) -> Fp4GemvConfig:
-    """Tuned defaults (H200, BENCHMARKS.md): 64-row tiles, ``block_k`` 256, K split until there
-    are at least ~900 programs (about 7 per multiprocessor)."""
-    block_n = 64
-    while n % block_n:
-        block_n //= 2
+# Defaults from the H200 sweep (BENCHMARKS.md, ``experiments/bench/fp4_matmul.py --gemv``).
+_DEFAULT_BLOCK_N = 32
+_MIN_PROGRAMS = 448  # K is split until there are at least this many programs
+ROW_TILED = True  # prepack lays each (row tile, step) of words out contiguously
+
+
+def default_gemv_config(
+    k: int, n: int, block_k: int = GEMV_BLOCK_K, block_n: int = 0
+) -> Fp4GemvConfig:
+    """Tuned defaults (H200, BENCHMARKS.md). ``block_n``: the row tile of a row-tiled weight
+    layout (0: free to choose)."""
+    if not block_n:
+        block_n = _DEFAULT_BLOCK_N
+        while n % block_n:
+            block_n //= 2
     split = 1
-    while n // block_n * split < 896 and k % (block_k * split * 2) == 0:
+    while n // block_n * split < _MIN_PROGRAMS and k % (block_k * split * 2) == 0:
         split *= 2
-    return Fp4GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return Fp4GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=1)
+
+
+def layout_block_n(cfg: Fp4GemvConfig, n: int) -> int:
+    """The row tile ``prepack`` lays out for ``cfg`` (0: rows in order)."""
+    return cfg.block_n if ROW_TILED and n % cfg.block_n == 0 else 0
 
 
 # ----------------------------------------------------------------------------- layout
 
 
-def pack_gemv_words(codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K) -> jax.Array:
+def pack_gemv_words(
+    codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K, block_n: int = 0
+) -> jax.Array:
     """Stored codes [N, K/2] uint8 (element 2i in the low nibble of byte i) -> words [N, K/8]
-    uint32 in the kernel's order (module docstring)."""
+    uint32 in the kernel's order (module docstring); with ``block_n`` > 0, row tiles made
+    contiguous per step: [N/block_n, K/block_k * block_n, block_k/8]."""
     n, half_k = codes.shape
     k = 2 * half_k
     bs = fmt.block_size
@@ -122,7 +140,33 @@ def pack_gemv_words(codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK
     sign = jnp.asarray(np.array(_SIGN_BIT, np.uint32))
     parts = ((nib & 7) << mag) | ((nib >> 3) << sign)
     words = functools.reduce(jnp.bitwise_or, [parts[..., r] for r in range(8)])
-    return words.reshape(n, k // 8).astype(jnp.uint32)
+    words = words.reshape(n, k // 8).astype(jnp.uint32)
+    if not block_n:
+        return words
+    tiles = words.reshape(n // block_n, block_n, k // block_k, block_k // 8).transpose(0, 2, 1, 3)
+    return tiles.reshape(n // block_n, k // block_k * block_n, block_k // 8)
+
+
+def pack_gemv_scales(scales: jax.Array, fmt: FormatSpec, block_k: int, block_n: int) -> jax.Array:
+    """Scale bytes [N, K/block] -> [N/block_n, K/block_k * block_n, block_k/block]: the scales
+    of one (row tile, step) contiguous, as ``pack_gemv_words`` with ``block_n`` lays the words."""
+    n, nblk = scales.shape
+    nb = block_k // fmt.block_size
+    tiles = scales.reshape(n // block_n, block_n, nblk // nb, nb).transpose(0, 2, 1, 3)
+    return tiles.reshape(n // block_n, nblk // nb * block_n, nb)
+
+
+def with_gemv_layout(w, block_k: int = GEMV_BLOCK_K, block_n: int = 0):
+    """``w`` (an ``fp4_matmul.Fp4Weight``) with its codes (and, for ``block_n`` > 0, its scales)
+    copied into the one-token kernel's layout for this ``block_k`` (and row tile)."""
+    k, n = w.shape
+    if not gemv_supported(k, n, w.fmt, block_k) or (block_n and n % block_n):
+        raise ValueError(f"one-token layout: [K={k}, N={n}] does not tile by {block_k}, {block_n}")
+    words = pack_gemv_words(w.codes, w.fmt, block_k, block_n)
+    scales = pack_gemv_scales(w.scales, w.fmt, block_k, block_n) if block_n else None
+    return dataclasses.replace(
+        w, gemv_words=words, gemv_scales=scales, gemv_block_k=block_k, gemv_block_n=block_n
+    )
 
 
 def arrange_x(x: jax.Array, fmt: FormatSpec, block_k: int) -> jax.Array:
@@ -180,7 +224,7 @@ def decode_reference(words: jax.Array, scales: jax.Array, fmt: FormatSpec, block
 # ----------------------------------------------------------------------------- kernel
 
 
-def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps):
+def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps, tiled):
     split = pl.program_id(1)
     groups = fmt.block_size // 8
     nb = cfg.block_k // fmt.block_size  # blocks per step = columns of every tile
@@ -188,14 +232,17 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps)
     first, last = split * steps, split * steps + steps - 1
 
     def load(step):
-        """One step's code words, scale bytes and x rows (the x rows are L2/L1 hits)."""
+        """One step's code words and scale bytes (the HBM stream)."""
         step = jnp.minimum(step, last)  # the prefetch past the end re-reads the last step
+        if tiled:  # one contiguous [block_n, block_k/8] chunk of words per step
+            rows = pl.ds(step * cfg.block_n, cfg.block_n)
+            qs = tuple(c_ref[rows, pl.ds(g * nb, nb)] for g in range(groups))
+            return qs, s_ref[rows, :]
         qs = tuple(c_ref[:, pl.ds((step * groups + g) * nb, nb)] for g in range(groups))
-        xs = tuple(x_ref[pl.ds(step * 8 * groups + r, 1), :] for r in range(8 * groups))
-        return qs, s_ref[:, pl.ds(step * nb, nb)], xs
+        return qs, s_ref[:, pl.ds(step * nb, nb)]
 
-    def compute(acc, loaded):
-        qs, sc, xs = loaded
+    def compute(acc, step, loaded):
+        qs, sc = loaded
         part = None
         for g, q in enumerate(qs):
             if cfg.decode == "none":
@@ -203,17 +250,20 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps)
             else:
                 slots = _decode_word(q)
             for r, w in enumerate(slots):
-                prod = w * xs[8 * g + r]
+                # x rows are L1/L2 hits shared by every program; loaded where used, not held
+                # ahead, so that each thread's registers go to the code words in flight.
+                prod = w * x_ref[pl.ds((step * groups + g) * 8 + r, 1), :]
                 part = prod if part is None else part + prod
         return acc + part * _scale_f32(sc, offset, fmt)
 
     def body(t, carry):
-        # ``prefetch`` steps are loaded ahead into registers: Triton pipelines loads that feed
-        # a dot through shared memory, and this loop has none.
+        # ``prefetch`` steps of code words are loaded ahead into registers: Triton pipelines
+        # loads that feed a dot through shared memory, and this loop has none.
         acc, ahead = carry[0], carry[1:]
+        step = first + t
         if not ahead:
-            return (compute(acc, load(first + t)),)
-        return (compute(acc, ahead[0]), *ahead[1:], load(first + t + cfg.prefetch))
+            return (compute(acc, step, load(step)),)
+        return (compute(acc, step, ahead[0]), *ahead[1:], load(step + cfg.prefetch))
 
     acc = jnp.zeros((cfg.block_n, nb), jnp.float32)
     init = (acc, *(load(first + d) for d in range(cfg.prefetch)))
@@ -224,13 +274,19 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps)
 
 def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) -> jax.Array:
     """``x @ dequantize(w)`` for one token. x: [1, K] bf16; w: ``fp4_matmul.Fp4Weight`` with
-    packed words (``w.gemv_words``, packed with ``config.block_k``). Returns [1, N] bf16."""
+    packed words (``w.gemv_words``, packed with ``config.block_k``, and with ``config.block_n``
+    where the layout is row-tiled). Returns [1, N] bf16."""
     cfg = config
     k, n = w.shape
     fmt = w.fmt
+    tiled = w.gemv_block_n > 0
     if w.gemv_words is None or w.gemv_block_k != cfg.block_k:
         raise ValueError(
             f"fp4_gemv: weight packed with block_k={w.gemv_block_k}, config needs {cfg.block_k}"
+        )
+    if tiled and w.gemv_block_n != cfg.block_n:
+        raise ValueError(
+            f"fp4_gemv: weight packed with block_n={w.gemv_block_n}, config needs {cfg.block_n}"
         )
     if x.shape != (1, k):
         raise ValueError(f"fp4_gemv: x has shape {x.shape}, needs [1, {k}]")
@@ -244,13 +300,24 @@ def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) ->
     else:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, 1, n), jnp.float32)
         out_spec = pl.BlockSpec((None, 1, cfg.block_n), lambda i, s: (s, 0, i))
+    if tiled:
+        w_specs = [
+            pl.BlockSpec((None, *w.gemv_words.shape[1:]), lambda i, s: (i, 0, 0)),
+            pl.BlockSpec((None, *w.gemv_scales.shape[1:]), lambda i, s: (i, 0, 0)),
+        ]
+        w_args = [w.gemv_words, w.gemv_scales]
+    else:
+        w_specs = [
+            pl.BlockSpec((cfg.block_n, k // 8), lambda i, s: (i, 0)),
+            pl.BlockSpec((cfg.block_n, k // fmt.block_size), lambda i, s: (i, 0)),
+        ]
+        w_args = [w.gemv_words, w.scales]
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, fmt=fmt, cfg=cfg, steps=steps),
+        functools.partial(_gemv_kernel, fmt=fmt, cfg=cfg, steps=steps, tiled=tiled),
         grid=(n // cfg.block_n, cfg.split_k),
         in_specs=[
             pl.BlockSpec(xa.shape, lambda i, s: (0, 0)),
-            pl.BlockSpec((cfg.block_n, k // 8), lambda i, s: (i, 0)),
-            pl.BlockSpec((cfg.block_n, k // fmt.block_size), lambda i, s: (i, 0)),
+            *w_specs,
             pl.BlockSpec((1,), lambda i, s: (0,)),
             pl.BlockSpec((cfg.block_n,), lambda i, s: (i,)),
         ],
@@ -259,7 +326,7 @@ def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) ->
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"fp4_gemv_{fmt.name}",
-    )(xa, w.gemv_words, w.scales, w.scale_offset.reshape(1), w.out_scale)
+    )(xa, *w_args, w.scale_offset.reshape(1), w.out_scale)
     if cfg.split_k > 1:
         out = out.sum(axis=0)
     return out.astype(jnp.bfloat16)

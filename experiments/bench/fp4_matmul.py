@@ -459,34 +459,31 @@ def tune(log):
     return best
 
 
-def with_gemv_block_k(case: DenseCase, block_k: int) -> DenseCase:
-    """The same weights with the one-token word layout packed for another ``block_k``."""
-    packed = [
-        dataclasses.replace(
-            p, gemv_words=fmv.pack_gemv_words(p.codes, p.fmt, block_k), gemv_block_k=block_k
-        )
-        for p in case.packed
-    ]
+def with_gemv_layout(case: DenseCase, block_k: int, block_n: int) -> DenseCase:
+    """The same weights with the one-token layout packed for ``block_k`` and row tile
+    ``block_n`` (0: rows in order)."""
+    packed = [fmv.with_gemv_layout(p, block_k, block_n) for p in case.packed]
     return dataclasses.replace(case, packed=jax.block_until_ready(packed))
 
 
-GEMV_VARIANTS = (  # (block_n, block_k, split_k, num_warps, num_stages, prefetch[, decode])
-    (128, 512, 1, 8, 3, 0),
-    (128, 512, 1, 8, 1, 1),
-    (128, 512, 1, 8, 1, 2),
-    (128, 256, 1, 8, 1, 2),
-    (64, 1024, 1, 4, 1, 1),
-    (64, 512, 1, 4, 1, 1),
-    (64, 512, 2, 4, 1, 1),
-    (64, 256, 1, 4, 1, 1),
-    (64, 256, 1, 4, 1, 2),
-    (64, 256, 2, 4, 1, 2),
-    (32, 512, 1, 4, 1, 1),
-    (32, 256, 1, 4, 1, 1),
-    (32, 256, 1, 4, 1, 2),
-    (16, 256, 1, 2, 1, 2),
-    (128, 512, 1, 8, 1, 1, "none"),
-    (64, 256, 1, 4, 1, 2, "none"),
+GEMV_VARIANTS = (  # (block_n, block_k, split_k, warps, stages, prefetch, tiled[, decode])
+    (32, 256, 1, 4, 1, 1, False),
+    (32, 256, 1, 4, 1, 1, True),
+    (32, 256, 1, 4, 1, 2, True),
+    (32, 256, 1, 4, 1, 0, True),
+    (32, 512, 1, 4, 1, 1, True),
+    (64, 256, 1, 4, 1, 1, True),
+    (64, 256, 2, 4, 1, 1, True),
+    (64, 256, 2, 2, 1, 1, True),
+    (128, 256, 1, 4, 1, 1, True),
+    (128, 256, 2, 4, 1, 1, True),
+    (128, 256, 2, 2, 1, 1, True),
+    (128, 256, 4, 4, 1, 1, True),
+    (128, 256, 1, 4, 1, 1, False),
+    (16, 256, 1, 2, 1, 2, True),
+    (16, 512, 1, 2, 1, 1, True),
+    (32, 256, 1, 4, 1, 1, True, "none"),
+    (128, 256, 2, 4, 1, 1, True, "none"),
 )
 
 
@@ -499,11 +496,9 @@ def gemv(log, variants=GEMV_VARIANTS):
         case = make_dense(k, n, "nvfp4", SETS, seed=1)
         tb = best_bf16(case, 1, log, seed=5)[0]
         t_bf16_cache[(k, 1)] = tb
-        cases = {fmv.GEMV_BLOCK_K: case}
         best[k] = (float("inf"), None)
-        for bn, bk, split, warps, stages, prefetch, *decode in variants:
-            if bk not in cases:
-                cases[bk] = with_gemv_block_k(case, bk)
+        for bn, bk, split, warps, stages, prefetch, tiled, *decode in variants:
+            cc = with_gemv_layout(case, bk, bn if tiled else 0)
             cfg = fmv.Fp4GemvConfig(
                 block_n=bn,
                 block_k=bk,
@@ -513,32 +508,37 @@ def gemv(log, variants=GEMV_VARIANTS):
                 prefetch=prefetch,
                 decode=decode[0] if decode else "f16",
             )
-            t = run_fp4(cases[bk], 1, log, seed=11, config=cfg, label="gemv sweep")
+            t = run_fp4(cc, 1, log, seed=11, config=cfg, label="gemv sweep")
+            del cc
             frac = fp4_bytes(1, k, n, "nvfp4") / t / HBM_BYTES_PER_S
-            log.append(dict(gemv_sweep=dataclasses.asdict(cfg), k=k, us=t * 1e6, hbm=frac))
+            log.append(
+                dict(gemv_sweep=dataclasses.asdict(cfg), tiled=tiled, k=k, us=t * 1e6, hbm=frac)
+            )
             print(
-                f"  gemv k={k} {cfg}: {t * 1e6:.1f} us x{tb / t:.2f} {100 * frac:.0f} % HBM",
+                f"  gemv k={k} tiled={tiled} {cfg}: {t * 1e6:.1f} us x{tb / t:.2f} "
+                f"{100 * frac:.0f} % HBM",
                 flush=True,
             )
             if t < best[k][0] and cfg.decode == "f16":
-                best[k] = (t, cfg)
-        print(f"BEST gemv k={k}: {best[k][1]} {best[k][0] * 1e6:.1f} us", flush=True)
-        del case, cases
+                best[k] = (t, cfg, tiled)
+        print(f"BEST gemv k={k}: {best[k][1:]} {best[k][0] * 1e6:.1f} us", flush=True)
+        del case
     rows = []
     for fmt in ("nvfp4", "mxfp4"):
         for k, n in DENSE_SHAPES:
             case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
             tb = t_bf16_cache[(k, 1)]
+            _, best_cfg, best_tiled = best[k]
             for name, c in (
                 ("GEMV form (mma=False)", fm.gemv_config(k, n)),
-                ("one-token kernel, default", fmv.default_gemv_config(k, n)),
-                ("one-token kernel, sweep best", best[k][1]),
+                ("one-token kernel, sweep best", best_cfg),
                 ("fp4_matmul default (dispatch)", None),
             ):
                 cc = case
-                if isinstance(c, fmv.Fp4GemvConfig) and c.block_k != fmv.GEMV_BLOCK_K:
-                    cc = with_gemv_block_k(case, c.block_k)
+                if c is best_cfg:
+                    cc = with_gemv_layout(case, c.block_k, c.block_n if best_tiled else 0)
                 t = run_fp4(cc, 1, log, seed=9, config=c, label="gemv")
+                del cc
                 rows.append((f"dense {fmt} M=1 {name}", k, n, 1, t, tb, fp4_bytes(1, k, n, fmt)))
             del case
     print_table(rows)

@@ -88,7 +88,7 @@ def run_matmul_cases() -> None:
     """Child process: each FP4 matmul kernel of interest runs exactly once (K=8192 N=28672):
     the earlier one-token GEMV form, the one-token kernel, the MMA kernel at M=16 and the
     same MMA kernel on bf16 weights at M=16."""
-    import dataclasses
+    import json
 
     import jax
     import jax.numpy as jnp
@@ -105,15 +105,16 @@ def run_matmul_cases() -> None:
     x1 = jax.random.normal(jax.random.key(1), (1, k), jnp.float32).astype(jnp.bfloat16)
     x16 = jax.random.normal(jax.random.key(2), (16, k), jnp.float32).astype(jnp.bfloat16)
     bf16_cfg = fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=16)
-    tile = dict(block_n=128, block_k=512, num_warps=8)
-    pw512 = dataclasses.replace(
-        pw, gemv_words=fmv.pack_gemv_words(pw.codes, pw.fmt, 512), gemv_block_k=512
-    )
-    one_token = {p: fmv.Fp4GemvConfig(**tile, prefetch=p, num_stages=3 - 2 * p) for p in (0, 1)}
+    # The one-token kernel at the configuration given on the command line (JSON of
+    # Fp4GemvConfig fields plus "tiled"), else the default of prepack.
+    spec = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    tiled = spec.pop("tiled", True)
+    cfg = fmv.Fp4GemvConfig(**spec) if spec else fmv.default_gemv_config(k, n)
+    pw_one = fmv.with_gemv_layout(pw, cfg.block_k, cfg.block_n if tiled else 0)
     for name, fn in (
         ("gemv form (mma=False)", lambda: fm.fp4_matmul(x1, pw, config=fm.gemv_config(k, n))),
-        ("one-token kernel", lambda: fm.fp4_matmul(x1, pw512, config=one_token[0])),
-        ("one-token kernel, prefetch 1", lambda: fm.fp4_matmul(x1, pw512, config=one_token[1])),
+        (f"one-token kernel {cfg} tiled={tiled}", lambda: fm.fp4_matmul(x1, pw_one, config=cfg)),
+        ("mma kernel m=16", lambda: fm.fp4_matmul(x16, pw)),
         ("bf16 kernel m=16", lambda: fm.bf16_matmul(x16, wt, config=bf16_cfg)),
     ):
         print(f"CASE {name}", flush=True)
@@ -148,7 +149,7 @@ def matmul_main(ncu: str, out_dir: str) -> int:
            "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,"
            "dram__bytes_read.sum", "--print-metric-instances", "values",
            "-k", "regex:fp4_|bf16_matmul", "-c", "4", "--log-file", log_path,
-           sys.executable, __file__, "--child-matmul"]  # fmt: skip
+           sys.executable, __file__, "--child-matmul", *sys.argv[2:3]]  # fmt: skip
     # No preallocated pool: the profiler saves and restores device memory between its passes.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -175,7 +176,7 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         run_case(sys.argv[2])
         return 0
-    if len(sys.argv) == 2 and sys.argv[1] == "--child-matmul":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--child-matmul":
         run_matmul_cases()
         return 0
     ncu = find_tool("ncu")

@@ -165,25 +165,31 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     np.testing.assert_array_equal(np.asarray(got * g), expected)
     codes = np.asarray(fp4.unpacked_codes(qt)).ravel()
     assert set(np.unique(codes)) >= set(range(16)) - {8}
+    # the row-tiled layout is the same words, each (8-row tile, step) made contiguous
+    tiled = fmv.with_gemv_layout(w, block_k, block_n=8)
+    back = tiled.gemv_words.reshape(n // 8, k // block_k, 8, block_k // 8).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(np.asarray(back).reshape(n, k // 8), np.asarray(words))
+    nb = block_k // spec.block_size
+    sback = tiled.gemv_scales.reshape(n // 8, k // block_k, 8, nb).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(np.asarray(sback).reshape(n, -1), np.asarray(w.scales))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
-    "cfg",
+    ("cfg", "layout_n"),
     [
-        None,  # the dispatcher's choice for one token and a prepacked weight
-        fmv.Fp4GemvConfig(block_n=32, split_k=1, num_warps=2),
-        fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2),
+        (None, None),  # the dispatcher's choice for one token and a prepacked weight
+        (fmv.Fp4GemvConfig(block_n=32, split_k=1, num_warps=2, prefetch=0), 32),
+        (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2, prefetch=2), 16),
+        (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2), 0),
     ],
 )
-def test_gemv_matches_reference(fmt, cfg):
+def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
     qt = _weights(k, n, fmt, seed=12)
     w = fm.prepack(qt)
-    if cfg is not None and cfg.block_k != w.gemv_block_k:
-        w = dataclasses.replace(
-            w, gemv_words=fmv.pack_gemv_words(w.codes, w.fmt, cfg.block_k), gemv_block_k=cfg.block_k
-        )
+    if cfg is not None:
+        w = fmv.with_gemv_layout(w, cfg.block_k, layout_n)
     x = _x(1, k, seed=13)
     y = fm.fp4_matmul(x, w, config=cfg, interpret=True)
     _assert_close(y, fm.fp4_matmul_reference(x, qt))
@@ -205,6 +211,9 @@ def test_gemv_layout_mismatch_and_config_rejected():
     w = fm.prepack(_weights(512, 32, "nvfp4", seed=16))
     with pytest.raises(ValueError, match="packed with block_k"):
         fm.fp4_matmul(_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
+    with pytest.raises(ValueError, match="packed with block_n"):
+        cfg = fmv.Fp4GemvConfig(block_n=w.gemv_block_n * 2)
+        fm.fp4_matmul(_x(1, 512, 0), w, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         fmv.Fp4GemvConfig(block_n=24)
     assert fm.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
