@@ -59,9 +59,11 @@ class Fp4GemvConfig:
       num_stages: software-pipelining depth of the K loop.
       prefetch: loop steps whose code words and scales are loaded ahead into registers
         (0: none).
-      decode: "f16" (the decode of the module docstring); "none" is a timing diagnostic that
-        reinterprets each loaded word as one float for all 8 slots (wrong values): the same
-        loads and FMAs without the decode and convert instructions.
+      decode: "asm" (the decode of the module docstring and the fp32 FMAs in PTX, GPU only; the
+        compiler does not fuse the plain ``w * x + part`` into one FMA), "f16" (the same in plain
+        ``jnp``; used in interpret mode), or "none", a timing diagnostic that reinterprets each
+        loaded word as one float for all 8 slots (wrong values): the same loads and products
+        without the decode and convert instructions.
     """
 
     block_n: int = 64
@@ -70,7 +72,7 @@ class Fp4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefetch: int = 1
-    decode: Literal["f16", "none"] = "f16"
+    decode: Literal["asm", "f16", "none"] = "asm"
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -81,7 +83,7 @@ class Fp4GemvConfig:
             raise ValueError(f"Fp4GemvConfig.split_k must be >= 1, got {self.split_k}")
         if self.prefetch < 0:
             raise ValueError(f"Fp4GemvConfig.prefetch must be >= 0, got {self.prefetch}")
-        if self.decode not in ("f16", "none"):
+        if self.decode not in ("asm", "f16", "none"):
             raise ValueError(f"Fp4GemvConfig.decode: unknown {self.decode!r}")
 
 
@@ -201,6 +203,66 @@ def _decode_word(q: jax.Array) -> list[jax.Array]:
     return out
 
 
+# The whole word in PTX: the four pairs of ``_decode_word``, each float16 converted to float32
+# and accumulated with one fused multiply-add. Operands: $0 the result, $1 the word, $2..$9 the
+# x values of slots 0..7, $10 the running sum.
+_WORD_FMA_ASM = """
+{
+.reg .b32 p, t;
+.reg .b16 lo, hi;
+.reg .f32 a, b, s;
+and.b32 p, $1, 0x8E008E00;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 a, lo;
+cvt.f32.f16 b, hi;
+fma.rn.f32 s, a, $2, $10;
+fma.rn.f32 s, b, $3, s;
+shl.b32 p, $1, 3;
+and.b32 p, p, 0x8E008E00;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 a, lo;
+cvt.f32.f16 b, hi;
+fma.rn.f32 s, a, $4, s;
+fma.rn.f32 s, b, $5, s;
+shl.b32 p, $1, 6;
+and.b32 p, p, 0x0E000E00;
+shl.b32 t, $1, 1;
+and.b32 t, t, 0x80008000;
+or.b32 p, p, t;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 a, lo;
+cvt.f32.f16 b, hi;
+fma.rn.f32 s, a, $6, s;
+fma.rn.f32 s, b, $7, s;
+shl.b32 p, $1, 9;
+and.b32 p, p, 0x0E000E00;
+shl.b32 t, $1, 2;
+and.b32 t, t, 0x80008000;
+or.b32 p, p, t;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 a, lo;
+cvt.f32.f16 b, hi;
+fma.rn.f32 s, a, $8, s;
+fma.rn.f32 $0, b, $9, s;
+}
+"""
+
+
+def _word_fma(q: jax.Array, xs, part: jax.Array | None) -> jax.Array:
+    """``part + sum_r slot_r(q) * xs[r]`` in PTX (GPU only): q [R, C] uint32, xs 8 x rows
+    [1, C] fp32, part [R, C] fp32 or None."""
+    if part is None:
+        part = jnp.zeros(q.shape, jnp.float32)
+    xs = [jnp.broadcast_to(xv, q.shape) for xv in xs]
+    return plgpu.elementwise_inline_asm(
+        _WORD_FMA_ASM,
+        args=[q, *xs, part],
+        constraints="=f,r" + ",f" * 9,
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+    )[0]
+
+
 def _scale_f32(s: jax.Array, offset: jax.Array, fmt: FormatSpec) -> jax.Array:
     """Block-scale bytes -> float32 ``scale * 2**(offset - 112)``."""
     from pallas_kernels.fp4_matmul import _scale_f32_bits  # one definition of the scale bits
@@ -245,6 +307,10 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps,
         qs, sc = loaded
         part = None
         for g, q in enumerate(qs):
+            if cfg.decode == "asm":
+                xs = [x_ref[pl.ds((step * groups + g) * 8 + r, 1), :] for r in range(8)]
+                part = _word_fma(q, xs, part)
+                continue
             if cfg.decode == "none":
                 slots = [jax.lax.bitcast_convert_type(q, jnp.float32)] * 8
             else:
@@ -292,6 +358,8 @@ def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) ->
         raise ValueError(f"fp4_gemv: x has shape {x.shape}, needs [1, {k}]")
     if n % cfg.block_n or k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"fp4_gemv: K={k}, N={n} do not tile with {cfg}")
+    if interpret and cfg.decode == "asm":
+        cfg = dataclasses.replace(cfg, decode="f16")
     steps = k // (cfg.block_k * cfg.split_k)
     xa = arrange_x(x[0], fmt, cfg.block_k)
     if cfg.split_k == 1:

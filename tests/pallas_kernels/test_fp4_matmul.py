@@ -253,3 +253,18 @@ def test_gpu_identity_rows_exact(fmt):
     np.testing.assert_array_equal(
         np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_one_token_unit_rows_exact(fmt):
+    # x = e_k picks row k of W: the PTX word decode of every slot and group of a step (and of
+    # the last step) must give fp4.dequantize's value, rounded once to bf16
+    k, n = 1024, 64
+    qt = _weights(k, n, fmt, seed=21)
+    w = fm.prepack(qt)
+    expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
+    for pos in [*range(32), *range(k - 32, k)]:
+        x = jnp.zeros((1, k), jnp.bfloat16).at[0, pos].set(1)
+        y = np.asarray(fm.fp4_matmul(x, w), np.float32)
+        np.testing.assert_array_equal(y[0], expected[pos], err_msg=f"row {pos}")
