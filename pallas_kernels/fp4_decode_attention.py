@@ -160,13 +160,17 @@ def _load_tile(refs, start, cfg, fmt: CacheFormat):
     contribution (None when 1).
     """
     rows = pl.ds(start, cfg.block_k)
+    return _decode_tile([r[rows, :] if len(r.shape) == 2 else r[rows] for r in refs], cfg, fmt)
+
+
+def _decode_tile(arrays, cfg, fmt: CacheFormat):
+    """``_load_tile``'s decode of the loaded operands ([rows, X] each, [rows] for per-token
+    scales)."""
     if fmt == "bf16":
-        return [refs[0][rows, :]], None
+        return [arrays[0]], None
     if fmt == "fp8":
-        return [refs[0][rows, :].astype(jnp.bfloat16)], refs[1][rows]
-    codes = refs[0][rows, :]
-    scales = refs[1][rows, :]
-    g = refs[2][rows]
+        return [arrays[0].astype(jnp.bfloat16)], arrays[1]
+    codes, scales, g = arrays
     spec = fp4.get_format(fmt)
     if spec.scale_format == "e4m3":
         scales = jax.lax.bitcast_convert_type(scales, jnp.uint8)
@@ -194,14 +198,14 @@ def _decode_attention_kernel(
     len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_scale, window, fused
 ):
     """One (KV head, split, sequence) program. Refs, in order: [slot] (fused), q parts, K and V
-    cache operands, [the new token's K and V parts (float32) and stored rows] (fused); outputs:
+    cache operands, [the new token's stored K and V rows] (fused); outputs:
     o parts, m, l, [the K and V cache operands again, aliased] (fused)."""
     refs = list(refs)
     slot_ref = refs.pop(0) if fused else None
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     q_refs, k_refs, v_refs = take(n_parts), take(n_k), take(n_k)
     if fused:
-        nk_refs, nv_refs, row_refs = take(n_parts), take(n_parts), take(2 * n_k)
+        row_refs = take(2 * n_k)
     o_refs = take(n_parts)
     m_ref, l_ref = take(2)
     split = pl.program_id(1)
@@ -264,7 +268,10 @@ def _decode_attention_kernel(
     l = jnp.zeros((rows,), jnp.float32)
     accs, m, l = jax.lax.fori_loop(0, n_steps, body, (accs, m, l))
     if fused:
-        accs, m, l = _attend_new_token(qs, nk_refs, nv_refs, new, logit_scale, accs, m, l)
+        k_new, v_new = (
+            _decode_tile(_one_row(rs), cfg, fmt) for rs in (row_refs[:n_k], row_refs[n_k:])
+        )
+        accs, m, l = _attend_new_token(qs, k_new, v_new, new, logit_scale, accs, m, l)
 
         @pl.when(new)
         def _write():  # the cache operands' outputs alias their inputs: one row each
@@ -278,22 +285,32 @@ def _decode_attention_kernel(
     plgpu.store(l_ref, l, mask=row_mask)
 
 
-def _attend_new_token(qs, nk_refs, nv_refs, new, logit_scale, accs, m, l):
+def _one_row(refs):
+    """The new token's stored row (refs [X] or [] each) as one-row operands [1, X] / [1]."""
+    return [r[...][None] for r in refs]
+
+
+def _attend_new_token(qs, k_new, v_new, new, logit_scale, accs, m, l):
     """Fold the new token into the online softmax (where ``new``; a no-op elsewhere).
 
-    qs: the q parts [rows, d] bf16; nk_refs / nv_refs: its K and V parts [d] float32.
+    qs: the q parts [rows, d] bf16; k_new / v_new: its K and V as ``_decode_tile`` returns
+    them for one row (parts [1, d] bf16 and column scale [1] or None), exactly as the cache's
+    slots decode.
     """
+    (k_parts, k_col), (v_parts, v_col) = k_new, v_new
     s = sum(
-        jnp.sum(q.astype(jnp.float32) * r[...][None, :], axis=1)
-        for q, r in zip(qs, nk_refs, strict=True)
+        jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=1)
+        for q, k in zip(qs, k_parts, strict=True)
     )
-    s = jnp.where(new, s * logit_scale, -jnp.inf)
+    s = s * (logit_scale if k_col is None else k_col * logit_scale)
+    s = jnp.where(new, s, -jnp.inf)
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new)
+    pv = p if v_col is None else p * v_col
     accs = tuple(
-        acc * alpha[:, None] + jnp.where(new, p[:, None] * r[...][None, :], 0.0)
-        for acc, r in zip(accs, nv_refs, strict=True)
+        acc * alpha[:, None] + jnp.where(new, pv[:, None] * v.astype(jnp.float32), 0.0)
+        for acc, v in zip(accs, v_parts, strict=True)
     )
     return accs, m_new, l * alpha + p
 
@@ -368,9 +385,9 @@ def decode_attention_append(
     Equal to ``kv_append_many([k, v], [new_k, new_v], lengths, qts=qts, valid=valid)`` followed
     by ``decode_attention(q, k, v, lengths + taken)``, where ``taken`` marks the sequences whose
     token was written (``valid`` and ``lengths < S``). The new token is attended from its
-    operands (its stored value, dequantized in XLA), so no program reads a slot that another
-    one writes. ``k`` and ``v`` are donated and updated in place. An FP8 cache, or one whose
-    tiles the compiled kernel does not take, goes through the two calls above.
+    stored row (decoded in the kernel as the cache's slots are), so no program reads a slot
+    that another one writes. ``k`` and ``v`` are donated and updated in place. An FP8 cache,
+    or one whose tiles the compiled kernel does not take, goes through the two calls above.
 
     Args:
       q: [B, Hq, D] bf16, the new tokens' queries.
@@ -397,11 +414,19 @@ def decode_attention_append(
             q, _operands(k), _operands(v), new_lengths, fmt, cfg, sm_scale, window, interpret
         )
         return out, k, v
+    new_k, new_v = (x[:, None] if x.ndim == 3 else x for x in (new_k, new_v))
+    if fmt in ("nvfp4", "mxfp4"):  # the KV site's RTN codes where none are given
+        qts = [
+            _site_quantize(x, fmt) if qt is None else qt
+            for x, qt in zip((new_k, new_v), qts, strict=True)
+        ]
     news = _new_storage([k, v], [new_k, new_v], qts)
-    parts = [_q_parts(kv_cache.read(n, jnp.float32)[:, 0], fmt) for n in news]
     rows = [[a[:, 0] for a in _as_bytes(_operands(n))] for n in news]
+    for i, qt in enumerate(qts):  # a per-tensor global scale (MXFP4's unit scale): one value
+        if isinstance(qt, fp4.QTensor) and qt.global_scale.size == 1:
+            rows[i][-1] = qt.global_scale.reshape(1, 1)  # read by every program; no broadcast
     slots = jnp.where(taken, lengths, -1).astype(jnp.int32)
-    append = (slots, parts[0], parts[1], rows[0] + rows[1])
+    append = (slots, rows[0] + rows[1])
     out, written = _attention_call(
         q,
         _as_bytes(_operands(k)),
@@ -470,8 +495,8 @@ def _from_operands(stored: kv_cache.Stored, arrays: list[jax.Array]) -> kv_cache
 def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interpret, append=None):
     """The Pallas call over the cache operands ([B, S, Hkv, ...] each).
 
-    ``append``: None, or (slots [B] int32, new K parts, new V parts, stored rows) for the fused
-    append, the rows [B, Hkv, ...] one per cache operand (K's then V's). Returns (out [B, Hq, D]
+    ``append``: None, or (slots [B] int32, stored rows) for the fused append: the new token's
+    rows [B, Hkv, ...], one per cache operand (K's then V's). Returns (out [B, Hq, D]
     bf16, the written cache operands (empty without ``append``)).
     """
     b, s, hkv = k_ops[0].shape[:3]
@@ -489,7 +514,9 @@ def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interp
             return pl.BlockSpec((None, s, None, a.shape[3]), lambda h, j, i: (i, 0, h, 0))
         return pl.BlockSpec((None, s, None), lambda h, j, i: (i, 0, h))
 
-    def row_spec(a):  # [B, Hkv, ...] -> one (sequence, KV head)'s row
+    def row_spec(a):  # [B, Hkv, ...] -> one (sequence, KV head)'s row; [1, 1]: shared
+        if a.shape == (1, 1):
+            return pl.BlockSpec((None, None), lambda h, j, i: (0, 0))
         return pl.BlockSpec(
             (None, None, *a.shape[2:]), lambda h, j, i: (i, h) + (0,) * (a.ndim - 2)
         )
@@ -509,8 +536,7 @@ def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interp
     out_shape = [part_shape] * len(q_parts) + [stat_shape] * 2
     aliases = {}
     if append is not None:
-        slots, nk, nv, new_rows = append
-        extra = [*nk, *nv, *new_rows]
+        slots, extra = append
         in_specs = (
             in_specs[:1]
             + [pl.BlockSpec((None,), lambda h, j, i: (i,))]
@@ -697,9 +723,14 @@ def _new_storage(stored, values, qts):
             value = value[:, None]
         fmt = cache_format(buf)
         if fmt in ("nvfp4", "mxfp4") and qt is None:
-            qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+            qt = _site_quantize(value, fmt)
         news.append(kv_cache.to_storage(fmt, value, qt))
     return news
+
+
+def _site_quantize(value: jax.Array, fmt: str) -> fp4.QTensor:
+    """New K or V quantized as the KV site's RTN mode does (along D)."""
+    return fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
 
 
 def _append_kernel(slot_ref, *refs, n):

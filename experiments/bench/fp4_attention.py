@@ -136,6 +136,23 @@ def timed(name, fn, case, b, s, fmt, log):
 # ----------------------------------------------------------------------------- kv_append
 
 
+def entry_ops(prog, args, name, log):
+    """Print and log the compiled program's entry ops and its buffer copies."""
+    hlo = prog.lower(*args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    ops = [
+        m.group(1)
+        for ln in entry.splitlines()
+        if " = " in ln and (m := re.search(r"\b([a-z][\w\-]*)\(", ln.split(" = ", 1)[1]))
+    ]
+    counts = {op: ops.count(op) for op in sorted(set(ops))}
+    copies = [ln.strip()[:160] for ln in entry.splitlines() if " copy(" in ln]
+    print(f"  [{name}] entry ops: {counts}", flush=True)
+    for c in copies[:8]:
+        print(f"    {c}", flush=True)
+    log.append(dict(hlo=name, ops=counts, copies=copies))
+
+
 APPEND_PATHS = ("xla", "kernel", "kernel, site codes given")
 
 
@@ -181,19 +198,7 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
         prog = jax.jit(appends, donate_argnums=(0, 1))
         xs, qs = new[:n_calls], qts[:n_calls]
         if diagnose and n_calls == min(calls):  # kernel launches and buffer copies
-            hlo = prog.lower(k_buf, v_buf, xs, qs, lengths).compile().as_text()
-            entry = hlo[hlo.index("ENTRY") :]
-            ops = [
-                m.group(1)
-                for ln in entry.splitlines()
-                if " = " in ln and (m := re.search(r"\b([a-z][\w\-]*)\(", ln.split(" = ", 1)[1]))
-            ]
-            counts = {op: ops.count(op) for op in sorted(set(ops))}
-            copies = [ln.strip()[:160] for ln in entry.splitlines() if " copy(" in ln]
-            print(f"  [{path}] entry ops ({n_calls} appends): {counts}", flush=True)
-            for c in copies[:6]:
-                print(f"    {c}", flush=True)
-            log.append(dict(append_hlo=path, ops=counts, copies=copies))
+            entry_ops(prog, (k_buf, v_buf, xs, qs, lengths), f"{path}, {n_calls} appends", log)
         kb, vb = jax.block_until_ready(
             prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), xs, qs, lengths)
         )
@@ -248,7 +253,7 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
 FUSED_PATHS = ("attention only", "kv_append_many + attention", "fused append + attention")
 
 
-def time_fused(b, s, fmt, log, calls=(2, 10), reps=5):
+def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
     """Device seconds per layer decode step: attention alone (the cache already written), the
     engine's former two launches (``kv_append_many`` with the site codes given, then
     ``decode_attention``), and ``decode_attention_append`` (one launch). The append's cost is
@@ -310,6 +315,8 @@ def time_fused(b, s, fmt, log, calls=(2, 10), reps=5):
 
         prog = jax.jit(steps, donate_argnums=(0, 1))
         args = (xs[:n_calls], qts[:n_calls], lengths)
+        if n_calls == min(calls) and not interp:  # kernel launches and buffer copies
+            entry_ops(prog, (k_buf, v_buf, *args), f"{path} {fmt}, {n_calls} steps", log)
         _, kb, vb = jax.block_until_ready(
             prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), *args)
         )
