@@ -21,7 +21,8 @@ Kernel layout (Pallas, Triton lowering):
 * ``split_k > 1`` splits the contraction over a second grid axis; partial fp32 sums are added
   in XLA.
 
-``fp4_matmul_reference`` is the pure-JAX definition; ``fp4_linear`` is the dispatcher that
+One token with an NVFP4 ``prepack`` runs ``fp4_matmul_gemv`` instead (its own word layout,
+no matrix unit). ``fp4_matmul_reference`` is the pure-JAX definition; ``fp4_linear`` is the dispatcher that
 falls back to dequantize-then-XLA-matmul where the kernel would not be faster (large M).
 """
 
@@ -205,9 +206,10 @@ class Fp4Weight:
 def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
     """Arrange a weight ``QTensor`` [K, N] (quantized along K, axis 0) for ``fp4_matmul``.
 
-    ``gemv``: also store the codes in the one-token kernel's word layout (``gemv_words``, one
-    more copy of the codes: 4 bits per weight) where the shape allows; one-token calls then use
-    that kernel.
+    ``gemv``: for NVFP4, also store the codes and scales in the one-token kernel's layout
+    (``gemv_words``/``gemv_scales``, one more copy: 4.5 bits per weight) where the shape allows;
+    one-token calls then use that kernel. MXFP4 keeps the GEMV form (``gemv_config``), measured
+    faster for it on the H200 (BENCHMARKS.md).
     """
     if len(w.shape) != 2 or w.axis != 0:
         raise ValueError(
@@ -216,7 +218,7 @@ def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
         )
     packed = _prepack_arrays(w)
     k, n = w.shape
-    if gemv and fmv.gemv_supported(k, n, w.fmt):
+    if gemv and w.fmt.scale_format == "e4m3" and fmv.gemv_supported(k, n, w.fmt):
         cfg = fmv.default_gemv_config(k, n)
         packed = fmv.with_gemv_layout(packed, cfg.block_k, fmv.layout_block_n(cfg, n))
     return packed

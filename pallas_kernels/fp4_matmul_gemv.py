@@ -1,21 +1,27 @@
 """One-token FP4 matmul (GEMV, W4A16) for Hopper GPUs: ``y = x @ dequantize(W)``, x [1, K].
 
 With one token there is nothing for the matrix unit to do: every weight element is used once,
-in one fused multiply-add. So the kernel is a stream of code words through the CUDA cores, and
-its rate is set by how few instructions each weight element costs (decode, convert, FMA) once
-enough bytes are in flight. This file holds that kernel and the weight layout made for it.
+in one fused multiply-add. So the kernel is a stream of code words through the CUDA cores; on
+the H200 it is bound by how many bytes each multiprocessor keeps in flight and by how many
+instructions each weight element costs (BENCHMARKS.md has the Nsight Compute readings).
 
-Weight layout (``pack_gemv_words``, built once by ``fp4_matmul.prepack``): 32-bit words
-[N, K/8], 8 codes a word. Inside each ``block_k`` step of a row, word ``(g, b)`` holds elements
-``8g .. 8g+7`` of block ``b`` (``g < block_size/8``), stored group-major, so the words of one
-group form a contiguous [rows, block_k/block_size] tile whose column ``b`` is block ``b``: the
-tile's block scales are a plain [rows, block_k/block_size] tile of the stored scales, with no
-broadcast. Inside a word the codes' bits are placed so that four masks and four shifts produce
-four float16 pairs, 11 integer ops for 8 codes (``_decode_word``): float16 bits
+Weight layout (``pack_gemv_words``/``with_gemv_layout``, built once by ``fp4_matmul.prepack``
+for NVFP4): 32-bit words, 8 codes a word. Inside each ``block_k`` step of a row, word
+``(g, b)`` holds elements ``8g .. 8g+7`` of block ``b`` (``g < block_size/8``), stored
+group-major, so the words of one group form a [rows, block_k/block_size] tile whose column
+``b`` is block ``b`` and the tile's block scales are a plain tile of the same shape (no
+broadcast). Row-tiled (``block_n`` > 0), the words and scales of one (row tile, step) are one
+contiguous chunk. Inside a word the codes' bits are placed so that masks and shifts give four
+float16 pairs in 11 integer ops (``_decode_word``; no shift pattern tiles a word with the
+sign/magnitude groups, so two pairs need a second shift): float16 bits
 ``sign << 15 | magnitude << 9`` are worth ``code * 2**-14`` (the 0.5 code is a float16
 subnormal, which converts to a normal float32 exactly). Each float16 converts to float32 and
-meets x in one fp32 FMA; a block's 16 or 32 products are summed before its scale multiplies
-them once, so the scale costs one FMA per block, not per element.
+meets x in one fp32 FMA (in PTX: the compiler leaves a plain ``w * x + part`` as FMUL + FADD);
+a block's 16 products are summed before its scale multiplies them once, so the scale costs one
+FMA per block, not per element.
+
+Loads: the loop has no dot, so Triton does not software-pipeline it (no shared-memory stages;
+seen under ncu); ``prefetch`` steps of code words are loaded ahead into registers instead.
 
 x is laid out once per call in XLA to match (fp32 [K/block_k * block_size, block_k/block_size]:
 row ``(step, g, slot)`` holds the x values of that slot in every block of the step).
@@ -98,7 +104,7 @@ def gemv_supported(k: int, n: int, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K)
 
 # Defaults from the H200 sweep (BENCHMARKS.md, ``experiments/bench/fp4_matmul.py --gemv``).
 _DEFAULT_BLOCK_N = 32
-_MIN_PROGRAMS = 448  # K is split until there are at least this many programs
+_MIN_PROGRAMS = 896  # K is split until there are at least this many programs
 ROW_TILED = True  # prepack lays each (row tile, step) of words out contiguously
 
 

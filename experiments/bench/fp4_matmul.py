@@ -483,6 +483,13 @@ GEMV_VARIANTS = (  # (block_n, block_k, split_k, warps, stages, prefetch, tiled[
 )
 
 
+QUICK_GEMV_VARIANTS = (
+    (32, 256, 1, 8, 1, 1, True),
+    (32, 128, 1, 4, 1, 2, True),
+    (16, 256, 2, 2, 1, 1, True),
+)
+
+
 def gemv(log, variants=GEMV_VARIANTS):
     """M = 1: the one-token kernel (``fp4_matmul_gemv``, packed word layout) over a tiling grid
     at both dense shapes (NVFP4), then every dense shape and both formats against the earlier
@@ -692,6 +699,7 @@ def main(argv=None):
     ap.add_argument("--grouped-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="M=1 without the matrix unit")
+    ap.add_argument("--quick", action="store_true", help="with --gemv: three tilings, no sweep")
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -719,7 +727,7 @@ def main(argv=None):
     elif args.tune:
         table(log, tune(log))
     elif args.gemv:
-        gemv(log)
+        gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
         rows = []
         for k, n in DENSE_SHAPES:

@@ -188,6 +188,7 @@ def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
     qt = _weights(k, n, fmt, seed=12)
     w = fm.prepack(qt)
+    assert (w.gemv_words is not None) == (fmt == "nvfp4")  # MXFP4 keeps the GEMV form
     if cfg is not None:
         w = fmv.with_gemv_layout(w, cfg.block_k, layout_n)
     x = _x(1, k, seed=13)
@@ -199,7 +200,7 @@ def test_gemv_nan_propagates():
     # a NaN block scale (MXFP4) poisons its column; a NaN activation poisons every column
     qt = _weights(512, 32, "mxfp4", seed=14)
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
-    w = fm.prepack(qt)
+    w = fmv.with_gemv_layout(fm.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     x = _x(1, 512, seed=15)
     y = np.asarray(fm.fp4_matmul(x, w, interpret=True), np.float32)
     assert np.isnan(y[0, 5]) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
@@ -262,7 +263,7 @@ def test_gpu_one_token_unit_rows_exact(fmt):
     # the last step) must give fp4.dequantize's value, rounded once to bf16
     k, n = 1024, 64
     qt = _weights(k, n, fmt, seed=21)
-    w = fm.prepack(qt)
+    w = fmv.with_gemv_layout(fm.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     for pos in [*range(32), *range(k - 32, k)]:
         x = jnp.zeros((1, k), jnp.bfloat16).at[0, pos].set(1)
