@@ -22,8 +22,9 @@ Kernel layout (Pallas, Triton lowering):
   in XLA.
 
 One token with an NVFP4 ``prepack`` runs ``fp4_matmul_gemv`` instead (its own word layout,
-no matrix unit). ``fp4_matmul_reference`` is the pure-JAX definition; ``fp4_linear`` is the dispatcher that
-falls back to dequantize-then-XLA-matmul where the kernel would not be faster (large M).
+no matrix unit). ``fp4_matmul_reference`` is the pure-JAX definition; ``fp4_linear`` is the
+dispatcher that falls back to dequantize-then-XLA-matmul where the kernel would not be faster
+(large M).
 """
 
 from __future__ import annotations
