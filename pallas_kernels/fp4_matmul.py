@@ -121,7 +121,9 @@ def default_config(m: int, k: int, n: int) -> Fp4MatmulConfig:
     """Tuned defaults per shape class (H200, see BENCHMARKS.md). ``m`` tokens, weight [k, n].
 
     One token (m = 1): the GEMV form (``gemv_config``), equal to or faster than the MMA kernel
-    at every benchmark shape (1.2x for MXFP4). Decode (m <= 16): 64-row weight tiles,
+    at every benchmark shape (1.2x for MXFP4); ``fp4_matmul`` sends one token with an NVFP4
+    ``prepack`` to the one-token kernel instead (``fp4_matmul_gemv``, 1.3-1.5x the GEMV form on
+    the H200). Decode (m <= 16): 64-row weight tiles,
     128-element K steps, and K split until there are ~900 programs (about 7 per
     multiprocessor): the kernel is bound by each program's serial load -> decode -> MMA chain,
     so more programs in flight is what raises bandwidth.

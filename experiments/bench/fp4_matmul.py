@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py            # the performance table
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --sweep    # tiling sweep, dense M=16
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv     # M=1: one-token kernel sweep
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv --quick  # same, three tilings
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
