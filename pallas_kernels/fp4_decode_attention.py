@@ -407,20 +407,14 @@ def decode_attention_append(
     ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
     taken = ok & (lengths < s) & (lengths >= 0)
     if fmt == "fp8" or not (interpret or kernel_fits([k, v])):
-        use_kernel = interpret or (jax.default_backend() == "gpu" and kernel_fits([k, v]))
-        k, v = _kv_append([k, v], [new_k, new_v], lengths, qts, ok, use_kernel, interpret)
-        new_lengths = lengths + taken.astype(jnp.int32)
+        k, v = kv_append_many(
+            [k, v], [new_k, new_v], lengths, qts=qts, valid=ok, interpret=interpret
+        )
         out, _ = _attention_call(
-            q, _operands(k), _operands(v), new_lengths, fmt, cfg, sm_scale, window, interpret
+            q, _operands(k), _operands(v), lengths + taken, fmt, cfg, sm_scale, window, interpret
         )
         return out, k, v
-    new_k, new_v = (x[:, None] if x.ndim == 3 else x for x in (new_k, new_v))
-    if fmt in ("nvfp4", "mxfp4"):  # the KV site's RTN codes where none are given
-        qts = [
-            _site_quantize(x, fmt) if qt is None else qt
-            for x, qt in zip((new_k, new_v), qts, strict=True)
-        ]
-    news = _new_storage([k, v], [new_k, new_v], qts)
+    news, qts = _new_storage([k, v], [new_k, new_v], qts)
     rows = [[a[:, 0] for a in _as_bytes(_operands(n))] for n in news]
     for i, qt in enumerate(qts):  # a per-tensor global scale (MXFP4's unit scale): one value
         if isinstance(qt, fp4.QTensor) and qt.global_scale.size == 1:
@@ -439,11 +433,8 @@ def decode_attention_append(
         interpret,
         append=append,
     )
-    return (
-        out,
-        _from_operands(k, written[: len(rows[0])]),
-        _from_operands(v, written[len(rows[0]) :]),
-    )
+    k, v = _from_operands([k, v], written)
+    return out, k, v
 
 
 def _check(q, k, v, window, config, interpret):
@@ -482,8 +473,10 @@ def _as_bytes(arrays: list[jax.Array]) -> list[jax.Array]:
     ]
 
 
-def _from_operands(stored: kv_cache.Stored, arrays: list[jax.Array]) -> kv_cache.Stored:
-    """Rebuild a stored buffer from its (byte-viewed) kernel operands (inverse of _operands)."""
+def _from_operands(stored, arrays: list[jax.Array]):
+    """Rebuild stored buffers (one, or a list) from their kernel operands in leaf order,
+    byte-viewed and with trailing size-1 axes dropped or not (inverse of ``_operands`` and
+    ``_row_views``)."""
     old = jax.tree.leaves(stored)
     leaves = [
         (jax.lax.bitcast_convert_type(a, o.dtype) if a.dtype != o.dtype else a).reshape(o.shape)
@@ -684,18 +677,13 @@ def kernel_fits(stored: list[kv_cache.Stored]) -> bool:
 
 def _row_views(stored: list[kv_cache.Stored]) -> list[jax.Array]:
     """Each buffer's arrays as [B, S, Hkv, X] with 1-byte floats viewed as uint8."""
-    views = []
-    for a in jax.tree.leaves(stored):
-        if a.dtype.itemsize == 1 and a.dtype != jnp.uint8:
-            a = jax.lax.bitcast_convert_type(a, jnp.uint8)
-        views.append(a)
-    return views
+    return _as_bytes(jax.tree.leaves(stored))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("kernel", "interpret"))
 def _kv_append(stored, values, lengths, qts, valid, kernel, interpret):
     b = lengths.shape[0]
-    news = _new_storage(stored, values, qts)
+    news, _ = _new_storage(stored, values, qts)
     ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
     if not kernel:
         return [
@@ -706,31 +694,25 @@ def _kv_append(stored, values, lengths, qts, valid, kernel, interpret):
     slots = jnp.where(ok & (lengths < s) & (lengths >= 0), lengths, -1).astype(jnp.int32)
     bufs = _row_views(stored)
     rows = [a[:, 0] for a in _row_views(news)]
-    written = append_rows(bufs, rows, slots, interpret=interpret)
-    leaves = [
-        w if w.dtype == old.dtype else jax.lax.bitcast_convert_type(w, old.dtype)
-        for w, old in zip(written, jax.tree.leaves(stored), strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(stored), leaves)
+    return _from_operands(stored, append_rows(bufs, rows, slots, interpret=interpret))
 
 
 def _new_storage(stored, values, qts):
-    """The new token's K/V in each buffer's stored form, logical [B, 1, Hkv, D] (FP4 values
-    without a site ``QTensor`` are quantized as the KV site's RTN mode does)."""
-    news = []
+    """The new token's K/V in each buffer's stored form, logical [B, 1, Hkv, D]; FP4 values
+    without a site ``QTensor`` are quantized as the KV site's RTN mode does (along D).
+
+    Returns (stored forms, the ``QTensor`` each FP4 one was made from (None otherwise)).
+    """
+    news, used = [], []
     for buf, value, qt in zip(stored, values, qts, strict=True):
         if value.ndim == 3:
             value = value[:, None]
         fmt = cache_format(buf)
         if fmt in ("nvfp4", "mxfp4") and qt is None:
-            qt = _site_quantize(value, fmt)
+            qt = fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
         news.append(kv_cache.to_storage(fmt, value, qt))
-    return news
-
-
-def _site_quantize(value: jax.Array, fmt: str) -> fp4.QTensor:
-    """New K or V quantized as the KV site's RTN mode does (along D)."""
-    return fp4.quantize(value, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        used.append(qt)
+    return news, used
 
 
 def _append_kernel(slot_ref, *refs, n):

@@ -153,6 +153,31 @@ def entry_ops(prog, args, name, log):
     log.append(dict(hlo=name, ops=counts, copies=copies))
 
 
+def same_bytes(got, want) -> bool:
+    """Whether two stored cache buffers hold the same bytes, leaf by leaf."""
+    return all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def chained_seconds(prog, k_buf, v_buf, args, reps):
+    """Median seconds of one call of ``prog(kb, vb, *args) -> (..., kb, vb)`` (donating kb and
+    vb) when each call takes the caches the previous one returned; the first call, on copies,
+    is the warm-up."""
+    *_, kb, vb = jax.block_until_ready(
+        prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), *args)
+    )
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            *_, kb, vb = prog(kb, vb, *args)
+        jax.block_until_ready((kb, vb))
+        samples.append((time.perf_counter() - t0) / 10)
+    return float(np.median(samples))
+
+
 APPEND_PATHS = ("xla", "kernel", "kernel, site codes given")
 
 
@@ -199,18 +224,7 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
         xs, qs = new[:n_calls], qts[:n_calls]
         if diagnose and n_calls == min(calls):  # kernel launches and buffer copies
             entry_ops(prog, (k_buf, v_buf, xs, qs, lengths), f"{path}, {n_calls} appends", log)
-        kb, vb = jax.block_until_ready(
-            prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), xs, qs, lengths)
-        )
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(10):
-                kb, vb = prog(kb, vb, xs, qs, lengths)
-            jax.block_until_ready((kb, vb))
-            samples.append((time.perf_counter() - t0) / 10)
-        del kb, vb
-        return float(np.median(samples))
+        return chained_seconds(prog, k_buf, v_buf, (xs, qs, lengths), reps)
 
     results = {}
     expect = kv_cache.write(k_buf, stored(fmt, new[0]), lengths, jnp.ones((b, 1), bool))
@@ -223,10 +237,7 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
             qts[0],
             lengths,
         )
-        same = all(
-            np.array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
-            for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True)
-        )
+        same = same_bytes(got, expect)
         log.append(dict(check=f"kv_append {path} {fmt} B={b}", ok=same))
         lo, hi = min(calls), max(calls)
         t_lo, t_hi = program_seconds(path, lo), program_seconds(path, hi)
@@ -297,10 +308,7 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
     ref = fa.decode_attention_reference(q, got_k, got_v, lengths + 1)
     want_k = kv_cache.write(k_buf, stored(fmt, xs[0]), lengths, jnp.ones((b, 1), bool))
     err = rel_error(out, ref)
-    same = all(
-        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
-        for a, e in zip(jax.tree.leaves(got_k), jax.tree.leaves(want_k), strict=True)
-    )
+    same = same_bytes(got_k, want_k)
     ok = bool(err <= REL_TOL) and same
     log.append(dict(check=f"fused append {fmt} B={b} S={s}", rel_err=err, bytes_same=same, ok=ok))
     print(f"  fused append {fmt} B={b} S={s}: rel err {err:.2e}, cache bytes exact {same}")
@@ -317,17 +325,7 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
         args = (xs[:n_calls], qts[:n_calls], lengths)
         if n_calls == min(calls) and not interp:  # kernel launches and buffer copies
             entry_ops(prog, (k_buf, v_buf, *args), f"{path} {fmt}, {n_calls} steps", log)
-        _, kb, vb = jax.block_until_ready(
-            prog(jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf), *args)
-        )
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(10):
-                _, kb, vb = prog(kb, vb, *args)
-            jax.block_until_ready((kb, vb))
-            samples.append((time.perf_counter() - t0) / 10)
-        return float(np.median(samples))
+        return chained_seconds(prog, k_buf, v_buf, args, reps)
 
     results = {}
     lo, hi = calls
