@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --sweep    # tiling sweep, dense M=16
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv     # M=1: one-token kernel sweep
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv --quick  # same, three tilings
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu     # tensor-core kernel, M<=64
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
@@ -30,6 +31,7 @@ import numpy as np
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_gemv as fmv
+from pallas_kernels import fp4_matmul_mgpu as fmm
 from trace_jax import fp4
 
 HBM_BYTES_PER_S = 4.8e12
@@ -659,6 +661,56 @@ def grouped_rows(log, configs=(None,)):
     return rows
 
 
+MGPU_VARIANTS = (  # (block_k, stages, split_k); None: the shape's default
+    None,
+    (256, 4, 1),
+    (256, 3, 2),
+    (512, 2, 1),
+)
+
+
+def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
+    """NVFP4 on the tensor cores (``fp4_matmul_mgpu``, Mosaic GPU): identity rows bit for bit
+    first, then each dense shape and M against ``fp4_matmul``'s default and the best BF16 path."""
+    qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, "nvfp4", axis=0)
+    eye = jnp.eye(256, dtype=jnp.bfloat16)
+    y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), fmm.MgpuMatmulConfig(block_k=128))
+    exact = bool(
+        np.array_equal(np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16)))
+    )
+    log.append(dict(check="mgpu identity rows bit-exact", ok=exact))
+    print(f"mgpu identity rows bit-exact: {exact}", flush=True)
+    rows = []
+    for k, n in DENSE_SHAPES:
+        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        mw = [jax.block_until_ready(fmm.prepack_mgpu(p.qtensor)) for p in case.packed]
+        mcase = dataclasses.replace(case, packed=mw)
+        for m in ms:
+            tb = best_bf16(case, m, log, seed=5)[0]
+            t_old = run_fp4(case, m, log, seed=9, label="fp4_matmul")
+            rows.append(
+                ("nvfp4 fp4_matmul default", k, n, m, t_old, tb, fp4_bytes(m, k, n, "nvfp4"))
+            )
+            xs = [make_x(m, k, 9 + i) for i in range(SETS)]
+            ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
+            for v in variants:
+                cfg = fmm.default_config(m, k, n) if v is None else fmm.MgpuMatmulConfig(*v)
+                fn = lambda x, w, cfg=cfg: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
+                try:
+                    ok = check(f"mgpu m={m} k={k} {cfg}", fn(xs[0], mw[0]), ref, log)
+                    t = time_op(fn, list(zip(xs, mw, strict=True))) if ok else float("nan")
+                except Exception as e:
+                    print(f"mgpu m={m} k={k} {cfg}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+                    t = float("nan")
+                label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]}"
+                print(f"  mgpu k={k} m={m} {label}: {t * 1e6:.1f} us x{tb / t:.2f}", flush=True)
+                log.append(dict(mgpu=label, k=k, m=m, us=t * 1e6, bf16_us=tb * 1e6))
+                rows.append((f"nvfp4 mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4")))
+        del case, mcase, mw
+    print_table(rows)
+    return rows
+
+
 def print_table(rows):
     print(
         "\n| case | K | N | M | time (us) | best bf16 (us) | speedup | of 4.8 TB/s, bytes moved |"
@@ -703,6 +755,7 @@ def main(argv=None):
     ap.add_argument("--gemv", action="store_true", help="M=1 without the matrix unit")
     ap.add_argument("--quick", action="store_true", help="with --gemv: three tilings, no sweep")
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
+    ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -728,6 +781,8 @@ def main(argv=None):
         print_table(grouped_rows(log, cfgs))
     elif args.tune:
         table(log, tune(log))
+    elif args.mgpu:
+        mgpu(log)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:

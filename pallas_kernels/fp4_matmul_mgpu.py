@@ -1,0 +1,374 @@
+"""NVFP4 weight matmul on Hopper tensor cores (Mosaic GPU): ``y = x @ dequantize(W)``.
+
+The program computes ``y^T[n-tile] = W^T[n-tile, :] @ x^T`` with ``wgmma``: 64 weight rows are
+the matrix unit's register operand, decoded from FP4 straight into the operand's register layout
+(no shared-memory round trip of the decoded tile), and the few tokens (padded to a multiple of 8)
+are its shared-memory operand, read transposed from the ``[M, K]`` activation tile.
+
+Each program (one warpgroup) owns 64 rows of N and a contiguous range of K. Its K loop streams
+``stages`` buffers of (code words, block scales, activation tile) with TMA copies, each buffer
+signalled by its own barrier; a buffer is refilled as soon as the matrix unit has consumed it.
+Several programs share a multiprocessor, so one program's wait overlaps another's decode.
+
+Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
+gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
+``(16 w + 8 rh + a, 16 j + 8 cto + 2 b + {0, 1})`` for ``j < 4`` (the 16-element NVFP4 block),
+``cto, rh < 2``. The thread's 32 codes are stored as 4 contiguous 32-bit words, word ``j`` holding
+block ``j``'s 4 pairs with the bits placed so that each pair becomes a bf16 pair worth
+``code * 2**-126`` with one to four integer operations (``_SLOTS``). The block scales of a
+64 x 64 tile are 64 words, one per row, byte ``j`` = block ``j`` (E4M3 bits). The decoded pair
+is multiplied by ``scale * 2**100`` as a bf16 pair (exact; bf16 arithmetic keeps the subnormal
+0.5 code), and ``global_scale * 2**26`` multiplies the fp32 result.
+
+``decode="asm"`` runs the decode as PTX inside ``plgpu.inline_mgpu`` (GPU only);
+``decode="portable"`` is the same arithmetic in ``jnp`` on the loaded words, for interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from trace_jax import fp4
+from trace_jax.fp4 import QTensor
+
+_TILE_N = 64  # weight rows per program: the wgmma register operand's rows
+_CHUNK = 64  # K elements per decoded operand tile (4 NVFP4 blocks)
+_SCALE_OFFSET = 100  # power of two folded into the block scales (normal bf16 products)
+
+# Bit positions in a code word: slot (pair P, element v) -> (sign bit, lowest magnitude bit).
+# Pair P of word j is the operand pair (cto, rh) = (P // 2, P % 2); v is its element.
+_SLOTS = {
+    (0, 0): (15, 6),
+    (0, 1): (31, 22),
+    (1, 0): (9, 0),
+    (1, 1): (25, 16),
+    (2, 0): (14, 3),
+    (2, 1): (30, 19),
+    (3, 0): (10, 11),
+    (3, 1): (26, 27),
+}
+
+Decode = Literal["asm", "portable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuMatmulConfig:
+    """Tiling of the Mosaic GPU NVFP4 matmul.
+
+    Attributes:
+      block_k: K elements per pipeline stage (a multiple of 64).
+      stages: buffers in flight per program.
+      split_k: programs that share one 64-row output tile along K (fp32 partials summed in XLA).
+      decode: "asm" (PTX, GPU only) or "portable" (jnp, interpret mode).
+    """
+
+    block_k: int = 256
+    stages: int = 4
+    split_k: int = 1
+    decode: Decode = "asm"
+
+    def __post_init__(self):
+        if self.block_k < _CHUNK or self.block_k % _CHUNK:
+            raise ValueError(f"MgpuMatmulConfig.block_k must be a multiple of 64: {self.block_k}")
+        if self.stages < 1 or self.split_k < 1:
+            raise ValueError(f"MgpuMatmulConfig: stages and split_k must be >= 1: {self}")
+        if self.decode not in ("asm", "portable"):
+            raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
+
+
+def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
+    """Defaults per shape class: split K until there are ~2 programs per 64-row tile pair of
+    multiprocessors' worth of work (>= 264 programs on 132 multiprocessors)."""
+    del m
+    block_k = 256 if k % 256 == 0 else _CHUNK
+    split = 1
+    while n // _TILE_N * split < 264 and k % (block_k * split * 2) == 0:
+        split *= 2
+    return MgpuMatmulConfig(block_k=block_k, split_k=split)
+
+
+# ----------------------------------------------------------------------------- prepacked weight
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MgpuWeight:
+    """An NVFP4 weight [K, N] in the operand layout of ``fp4_matmul_mgpu`` (a pytree).
+
+    Attributes:
+      words: [N/64, K/64, 2, 256] uint32, each thread's 4 code words per 64 x 64 tile (thread t
+        at flat word 4 t; two 1 KB rows, so each TMA row is long).
+      scales: [N/64, K/64, 64] uint32, one word of 4 E4M3 block scales per row and tile.
+      out_scale: [N] float32, ``global_scale * 2**(126 - 100)``.
+    """
+
+    words: jax.Array
+    scales: jax.Array
+    out_scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        nt, kt = self.words.shape[:2]
+        return kt * _CHUNK, nt * _TILE_N
+
+
+def prepack_mgpu(w: QTensor) -> MgpuWeight:
+    """Arrange an NVFP4 ``QTensor`` of logical shape [K, N] (quantized along K) for the kernel."""
+    if w.fmt != fp4.NVFP4:
+        raise ValueError(f"prepack_mgpu: NVFP4 weights only, got {w.fmt.name}")
+    if w.codes.ndim != 2 or w.axis != 0:
+        raise ValueError(
+            f"prepack_mgpu: a [K, N] weight quantized along K, got codes {w.codes.shape} "
+            f"axis {w.axis}"
+        )
+    n, k = w.codes.shape[0], w.codes.shape[1] * 2
+    if n % _TILE_N or k % _CHUNK:
+        raise ValueError(f"prepack_mgpu: K={k} and N={n} must be multiples of 64")
+    nt, kt = n // _TILE_N, k // _CHUNK
+    c = w.codes.astype(jnp.uint32)
+    q = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(n, k)  # nibble of element (n, k)
+    # rows n = 64 tn + 16 w + 8 rh + a; cols k = 64 kc + 16 j + 8 cto + 2 b + v
+    q = q.reshape(nt, 4, 2, 8, kt, 4, 2, 4, 2)
+    # -> [tn, kc, w, a, b, j, cto, rh, v]: thread (w, a, b), word j, pair P = 2 cto + rh
+    q = q.transpose(0, 4, 1, 3, 7, 5, 6, 2, 8).reshape(nt, kt, 128, 4, 4, 2)
+    words = jnp.zeros((nt, kt, 128, 4), jnp.uint32)
+    for (p, v), (sign, mag) in _SLOTS.items():
+        nib = q[..., p, v]
+        words = words | ((nib >> 3) << sign) | ((nib & 7) << mag)
+    s = jax.lax.bitcast_convert_type(w.block_scales, jnp.uint8).astype(jnp.uint32)
+    s = s.reshape(nt, _TILE_N, kt, 4).transpose(0, 2, 1, 3)
+    scales = s[..., 0] | (s[..., 1] << 8) | (s[..., 2] << 16) | (s[..., 3] << 24)
+    g = jnp.reshape(w.global_scale, w.global_scale.shape[:-1] or ()).astype(jnp.float32)
+    out_scale = jnp.broadcast_to(g, (n,)) * np.float32(2.0 ** (126 - _SCALE_OFFSET))
+    words = words.reshape(nt, kt, 2, 256)
+    return MgpuWeight(words=words, scales=scales, out_scale=out_scale)
+
+
+# ----------------------------------------------------------------------------- decode
+
+_SCALE_BIAS = ((_SCALE_OFFSET + 120) << 7) * 0x10001  # E4M3 -> bf16 exponent, both halves
+
+
+def _asm_word(j: int) -> str:
+    """PTX: code word $4 and the two rows' scale words $5, $6 -> 4 bf16 pairs $0..$3."""
+    return f"""
+{{
+.reg .b32 a, b, sa, sb;
+bfe.u32 sa, $5, {8 * j}, 8;
+mad.lo.u32 sa, sa, 0x00100010, {_SCALE_BIAS};
+bfe.u32 sb, $6, {8 * j}, 8;
+mad.lo.u32 sb, sb, 0x00100010, {_SCALE_BIAS};
+and.b32 a, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, a, sa;
+shl.b32 a, $4, 6;
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $1, a, sb;
+shl.b32 a, $4, 1;
+shl.b32 b, $4, 3;
+and.b32 b, b, 0x01C001C0;
+lop3.b32 a, a, b, 0x80008000, 0xEC;
+mul.rn.bf16x2 $2, a, sa;
+shr.b32 a, $4, 5;
+shl.b32 b, $4, 5;
+and.b32 a, a, 0x01C001C0;
+lop3.b32 a, b, a, 0x80008000, 0xEC;
+mul.rn.bf16x2 $3, a, sb;
+}}
+"""
+
+
+def _decode_asm(words_ref, scales_ref):
+    """[2, 256] uint32 code words and [64] uint32 scale words (shared memory) -> the bf16
+    [64, 64] operand tile in the ``wgmma`` register layout."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+    from jax.experimental import mosaic as mgpu_pkg  # noqa: F401
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct(
+            (_TILE_N, _CHUNK), jnp.bfloat16, layout=plgpu.Layout.WGMMA
+        ),
+    )
+    def decode(_, w_ref, s_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        c = lambda v, ty=i32: arith.constant(ty, v)  # noqa: E731
+        t = arith.remui(mgpu_utils.thread_idx(), c(128))
+        row = arith.index_cast(index, arith.shrui(t, c(6)))
+        col = arith.index_cast(index, arith.muli(arith.andi(t, c(63)), c(4)))
+        words = vector.load(ir.VectorType.get((4,), i32), w_ref, [row, col])
+        # row of rh = 0: 16 w + a = 16 (t // 32) + (t % 32) // 4
+        r0 = arith.addi(
+            arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
+        )
+        s0 = memref.load(s_ref, [arith.index_cast(index, r0)])
+        s1 = memref.load(s_ref, [arith.index_cast(index, arith.addi(r0, c(8)))])
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        struct = llvm.StructType.get_literal([i32] * 4)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_TILE_N, _CHUNK)), dtype=object)
+        for j in range(4):
+            word = vector.extract(words, [], [j])
+            out = llvm.inline_asm(struct, [word, s0, s1], _asm_word(j), "=r,=r,=r,=r,r,r,r")
+            for p in range(4):
+                cto, rh = p // 2, p % 2
+                bits = llvm.extractvalue(i32, out, [p])
+                regs[0, 2 * j + cto, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode(words_ref, scales_ref)
+
+
+def _decode_portable(words_ref, scales_ref):
+    """As ``_decode_asm`` in ``jnp`` (interpret mode): the same exact values."""
+    w = words_ref[...].reshape(128, 4)
+    s = scales_ref[...]  # [64]
+    vals = []
+    for p in range(4):
+        for v in range(2):
+            sign, mag = _SLOTS[(p, v)]
+            m = ((w >> mag) & 7).astype(jnp.float32)
+            e2m1 = 0.5 * m + 0.5 * jnp.maximum(m - 4, 0) + jnp.maximum(m - 6, 0)
+            vals.append(jnp.where((w >> sign) & 1 == 1, -e2m1, e2m1))
+    # [t=(w, a, b), j, cto, rh, v] -> [w, rh, a, j, cto, b, v] = [row, col]
+    x = jnp.stack(vals, axis=-1).reshape(4, 8, 4, 4, 2, 2, 2)
+    x = x.transpose(0, 5, 1, 3, 4, 2, 6).reshape(_TILE_N, _CHUNK)
+    sb = jnp.stack([(s >> (8 * j)) & 0xFF for j in range(4)], axis=-1)  # [64, 4] E4M3 bytes
+    # E4M3 (bias 7) -> float32 worth scale * 2**(offset - 126): exponent + 120 + offset - 126
+    sf = lax.bitcast_convert_type(((sb & 0x7F) << 20) + ((_SCALE_OFFSET - 6) << 23), jnp.float32)
+    x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
+    return x.reshape(_TILE_N, _CHUNK).astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(
+    x_gmem,
+    w_gmem,
+    s_gmem,
+    o_gmem,
+    x_smem,
+    w_smem,
+    s_smem,
+    o_smem,
+    bar,
+    a_smem=None,
+    *,
+    cfg,
+    steps,
+    mpad,
+):
+    chunks = cfg.block_k // _CHUNK
+    tn = lax.axis_index("n")
+    sk = lax.axis_index("k")
+    decode = _decode_asm if cfg.decode == "asm" else _decode_portable
+
+    def issue(step, slot):
+        kc = (sk * steps + step) * chunks
+        plgpu.copy_gmem_to_smem(w_gmem.at[tn, pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(s_gmem.at[tn, pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
+        )
+
+    for s in range(min(cfg.stages, steps)):
+        issue(s, s)
+
+    def run(acc_ref):
+        def body(step, _):
+            slot = lax.rem(step, cfg.stages)
+            plgpu.barrier_wait(bar.at[slot])
+            for c in range(chunks):
+                a = decode(w_smem.at[slot, c], s_smem.at[slot, c])
+                b = x_smem.at[slot, :, pl.ds(c * _CHUNK, _CHUNK)].transpose((1, 0))
+                if a_smem is None:
+                    plgpu.wgmma(acc_ref, a, b)
+                else:  # the interpreter's wgmma takes its operands from shared memory
+                    a_smem[...] = a
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma_wait(0)
+            # The previous step's MMAs are done once at most this step's are pending: refill
+            # its buffer with the step `stages` after it.
+            plgpu.wgmma_wait(chunks)
+            refill = step - 1 + cfg.stages
+
+            @pl.when((step > 0) & (refill < steps))
+            def _():
+                issue(refill, lax.rem(refill, cfg.stages))
+
+        lax.fori_loop(0, steps, body, None)
+        o_smem[...] = acc_ref[...]
+
+    pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sk, pl.ds(tn * _TILE_N, _TILE_N)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fp4_matmul_mgpu(
+    x: jax.Array,
+    w: MgpuWeight,
+    cfg: MgpuMatmulConfig | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ dequantize(W)``: x [M, K] bf16, W prepacked NVFP4 [K, N] -> [M, N] bf16.
+
+    fp32 accumulation; M is padded to a multiple of 8 (the matrix unit's narrow side).
+    """
+    k, n = w.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"fp4_matmul_mgpu: x must be [M, {k}], got {x.shape}")
+    m = x.shape[0]
+    if m > 256:
+        raise ValueError(f"fp4_matmul_mgpu: at most 256 rows, got M={m}")
+    cfg = cfg or default_config(m, k, n)
+    if interpret and cfg.decode == "asm":
+        cfg = dataclasses.replace(cfg, decode="portable")
+    if k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"fp4_matmul_mgpu: K={k} is not a multiple of {cfg.block_k * cfg.split_k}")
+    mpad = -(-m // 8) * 8
+    xp = x.astype(jnp.bfloat16)
+    if mpad != m:
+        xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
+    steps = k // (cfg.block_k * cfg.split_k)
+    stages = min(cfg.stages, steps)
+    chunks = cfg.block_k // _CHUNK
+    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel, cfg=dataclasses.replace(cfg, stages=stages), steps=steps, mpad=mpad
+        ),
+        out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
+        scratch_types=dict(
+            x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
+            w_smem=plgpu.SMEM((stages, chunks, 2, 256), jnp.uint32),
+            s_smem=plgpu.SMEM((stages, chunks, _TILE_N), jnp.uint32),
+            o_smem=plgpu.SMEM((_TILE_N, mpad), jnp.float32),
+            bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+            **(
+                dict(a_smem=plgpu.SMEM((_TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle))
+                if cfg.decode == "portable"
+                else {}
+            ),
+        ),
+        grid=(n // _TILE_N, cfg.split_k),
+        grid_names=("n", "k"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    part = kernel(xp, w.words, w.scales)
+    y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
+    return y.T.astype(jnp.bfloat16)

@@ -1,0 +1,128 @@
+"""NVFP4 tensor-core matmul (Mosaic GPU) vs the pure-JAX reference: the Mosaic GPU interpreter
+on the CPU (pipeline, prepacked layout and decode arithmetic), and the compiled kernel with the
+PTX decode on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp4_matmul as fm
+from pallas_kernels import fp4_matmul_mgpu as fmm
+from trace_jax import fp4
+
+
+def _weights(k, n, seed, scale=0.05, global_scale="tensor"):
+    w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * scale
+    return fp4.quantize(w, "nvfp4", axis=0, global_scale=global_scale)
+
+
+def _x(m, k, seed):
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def _assert_close(y, ref):
+    """bf16-level agreement: the two differ only in fp32 summation order before rounding."""
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert y.shape == ref.shape
+    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < 4e-3, rel
+    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
+
+
+def test_identity_rows_recover_dequantize_exactly():
+    # e_k @ W is row k of W: every slot of every code word and every scale byte passes through
+    # the decode, and the result must be fp4.dequantize's value, rounded once to bf16.
+    k, n = 256, 128
+    qt = _weights(k, n, seed=1)
+    cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
+    y = fmm.fp4_matmul_mgpu(
+        jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt), cfg, interpret=True
+    )
+    expected = fp4.dequantize(qt, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
+    assert set(np.unique(np.asarray(fp4.unpacked_codes(qt)))) >= set(range(16)) - {8}
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "cfg"),
+    [
+        (1, 256, 64, fmm.MgpuMatmulConfig(block_k=64, stages=3)),  # pipeline wraps around
+        (5, 512, 128, fmm.MgpuMatmulConfig(block_k=128, stages=2, split_k=2)),
+        (16, 256, 64, fmm.MgpuMatmulConfig(block_k=256, stages=4)),  # stages > steps
+        (24, 384, 192, None),
+    ],
+)
+def test_matches_reference(m, k, n, cfg):
+    qt = _weights(k, n, seed=m + k)
+    x = _x(m, k, seed=n)
+    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+
+
+def test_per_row_global_scale():
+    k, n = 128, 64
+    qt = _weights(k, n, seed=3, global_scale="row")
+    x = _x(3, k, seed=4)
+    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+
+
+def test_prepack_layout_is_the_operand_layout():
+    # independent of the kernel: word j of thread t = 32 w + 4 a + b holds, in slot (P, v), the
+    # code of element (16 w + 8 (P % 2) + a, 16 j + 8 (P // 2) + 2 b + v) of the 64 x 64 tile
+    k, n = 128, 128
+    qt = _weights(k, n, seed=5)
+    words = np.asarray(fmm.prepack_mgpu(qt).words).reshape(2, 2, 128, 4)
+    codes = np.asarray(fp4.unpacked_codes(qt)).reshape(n, k)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tn, kc, t, j = rng.integers(2), rng.integers(2), rng.integers(128), rng.integers(4)
+        p, v = rng.integers(4), rng.integers(2)
+        w_, a, b = t // 32, (t % 32) // 4, t % 4
+        row = 64 * tn + 16 * w_ + 8 * (p % 2) + a
+        col = 64 * kc + 16 * j + 8 * (p // 2) + 2 * b + v
+        sign, mag = fmm._SLOTS[(int(p), int(v))]
+        word = int(words[tn, kc, t, j])
+        assert ((word >> sign) & 1) << 3 | ((word >> mag) & 7) == codes[row, col]
+
+
+def test_bad_inputs():
+    qt = _weights(128, 64, seed=6)
+    w = fmm.prepack_mgpu(qt)
+    with pytest.raises(ValueError, match="x must be"):
+        fmm.fp4_matmul_mgpu(_x(2, 64, 0), w, interpret=True)
+    with pytest.raises(ValueError, match="NVFP4 weights only"):
+        fmm.prepack_mgpu(fp4.quantize(jnp.ones((128, 64)), "mxfp4", axis=0))
+    with pytest.raises(ValueError, match="multiples of 64"):
+        fmm.prepack_mgpu(_weights(128, 96, seed=7))
+    with pytest.raises(ValueError, match="block_k"):
+        fmm.MgpuMatmulConfig(block_k=96)
+    with pytest.raises(ValueError, match="not a multiple"):
+        fmm.fp4_matmul_mgpu(_x(2, 128, 0), w, fmm.MgpuMatmulConfig(block_k=256), interpret=True)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_identity_rows_exact():
+    # the PTX decode (bf16 subnormal for the 0.5 code) must agree bit for bit with dequantize
+    k, n = 256, 128
+    qt = _weights(k, n, seed=9)
+    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt))
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_benchmark_shapes(k, n, m):
+    qt = _weights(k, n, seed=k + m, scale=0.02)
+    x = _x(m, k, seed=m)
+    _assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
