@@ -21,10 +21,12 @@ Kernel layout (Pallas, Triton lowering):
 * ``split_k > 1`` splits the contraction over a second grid axis; partial fp32 sums are added
   in XLA.
 
-One token with an NVFP4 ``prepack`` runs ``fp4_matmul_gemv`` instead (its own word layout,
-no matrix unit). ``fp4_matmul_reference`` is the pure-JAX definition; ``fp4_linear`` is the
-dispatcher that falls back to dequantize-then-XLA-matmul where the kernel would not be faster
-(large M).
+On a GPU, up to 64 rows with an NVFP4 ``prepack`` run ``fp4_matmul_mgpu`` instead (Mosaic GPU:
+decoded straight into the tensor cores' register operand, TMA stages; the fastest FP4 path
+measured for 1-64 rows). A ``prepack`` without that layout runs one token through
+``fp4_matmul_gemv`` (its own word layout, no matrix unit). ``fp4_matmul_reference`` is the
+pure-JAX definition; ``fp4_linear`` is the dispatcher that falls back to dequantize-then-XLA-
+matmul where the kernel would not be faster (large M).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import fp4_matmul_gemv as fmv
+from pallas_kernels import fp4_matmul_mgpu as fmm
 from trace_jax import fp4
 from trace_jax.fp4 import FormatSpec, QTensor
 from trace_jax.fp4.formats import E8M0_NAN
@@ -56,6 +59,7 @@ Dequant = Literal["asm", "portable"]
 # [2**-6, 448], and code * scale * 2**(100 - 126) stays a normal bf16 for every nonzero code.
 _NVFP4_SCALE_OFFSET = 100
 _MIN_ROWS = 16  # the matrix unit's narrow side: fewer rows are zero-padded
+MGPU_MAX_ROWS = 64  # rows up to which a prepacked NVFP4 weight runs the tensor-core kernel
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -185,6 +189,8 @@ class Fp4Weight:
       gemv_scales: the block scales tiled as ``gemv_words`` (row-tiled layout only), or None.
       gemv_block_k: the ``block_k`` granule ``gemv_words`` was packed with (0: none).
       gemv_block_n: the row tile of a row-tiled layout, 0 for rows in order.
+      mgpu: the codes and scales again in the tensor-core kernel's operand layout
+        (``fp4_matmul_mgpu.prepack_mgpu``, NVFP4), or None; a second copy of the codes.
     """
 
     codes: jax.Array
@@ -196,6 +202,7 @@ class Fp4Weight:
     gemv_scales: jax.Array | None = None
     gemv_block_k: int = dataclasses.field(default=0, metadata=dict(static=True))
     gemv_block_n: int = dataclasses.field(default=0, metadata=dict(static=True))
+    mgpu: fmm.MgpuWeight | None = None
 
     @property
     def fmt(self) -> FormatSpec:
@@ -206,13 +213,17 @@ class Fp4Weight:
         return self.qtensor.shape
 
 
-def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
+def prepack(w: QTensor, *, mgpu: bool = True, gemv: bool | None = None) -> Fp4Weight:
     """Arrange a weight ``QTensor`` [K, N] (quantized along K, axis 0) for ``fp4_matmul``.
 
-    ``gemv``: for NVFP4, also store the codes and scales in the one-token kernel's layout
-    (``gemv_words``/``gemv_scales``, one more copy: 4.5 bits per weight) where the shape allows;
-    one-token calls then use that kernel. MXFP4 keeps the GEMV form (``gemv_config``), measured
-    faster for it on the H200 (BENCHMARKS.md).
+    ``mgpu``: for NVFP4 with K and N multiples of 64, also store the codes and scales in the
+    tensor-core kernel's operand layout (``fp4_matmul_mgpu``; one more copy: 4.5 bits per
+    weight); up to ``MGPU_MAX_ROWS`` rows then run that kernel on a GPU, the fastest FP4 path
+    measured there for 1 to 64 rows (BENCHMARKS.md).
+    ``gemv``: for NVFP4, also store the one-token kernel's layout (``gemv_words``/
+    ``gemv_scales``, one more copy) where the shape allows; one-token calls without the
+    tensor-core layout then use that kernel. None: only when no tensor-core layout was made.
+    MXFP4 keeps the GEMV form (``gemv_config``), measured faster for it on the H200.
     """
     if len(w.shape) != 2 or w.axis != 0:
         raise ValueError(
@@ -221,6 +232,10 @@ def prepack(w: QTensor, *, gemv: bool = True) -> Fp4Weight:
         )
     packed = _prepack_arrays(w)
     k, n = w.shape
+    if mgpu and w.fmt == fp4.NVFP4 and k % 64 == 0 and n % 64 == 0:
+        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w))
+    if gemv is None:
+        gemv = packed.mgpu is None
     if gemv and w.fmt.scale_format == "e4m3" and fmv.gemv_supported(k, n, w.fmt):
         cfg = fmv.default_gemv_config(k, n)
         packed = fmv.with_gemv_layout(packed, cfg.block_k, fmv.layout_block_n(cfg, n))
@@ -528,7 +543,7 @@ def _call(
 
 def _as_weight(w: QTensor | Fp4Weight) -> Fp4Weight:
     # A bare QTensor is arranged per call: no second copy of the codes is worth making then.
-    return w if isinstance(w, Fp4Weight) else prepack(w, gemv=False)
+    return w if isinstance(w, Fp4Weight) else prepack(w, mgpu=False, gemv=False)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -536,7 +551,7 @@ def fp4_matmul(
     x: jax.Array,
     w: QTensor | Fp4Weight,
     *,
-    config: Fp4MatmulConfig | fmv.Fp4GemvConfig | None = None,
+    config: Fp4MatmulConfig | fmv.Fp4GemvConfig | fmm.MgpuMatmulConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``x @ dequantize(w)`` with the weight dequantized in the kernel (W4A16).
@@ -544,10 +559,12 @@ def fp4_matmul(
     Args:
       x: [M, K] bf16 activations.
       w: weight [K, N] as an NVFP4/MXFP4 ``QTensor`` quantized along K, or its ``prepack``.
-      config: tiling; when None, one token with a ``prepack`` holding ``gemv_words`` uses the
-        one-token kernel (``fp4_matmul_gemv``, ``default_gemv_config``), anything else the MMA
-        kernel with ``default_config(M, K, N)``. An ``Fp4GemvConfig`` selects the one-token
-        kernel.
+      config: tiling; when None, a compiled call (not ``interpret``) with a ``prepack``
+        holding the tensor-core layout (``mgpu``) and M <= ``MGPU_MAX_ROWS`` runs
+        ``fp4_matmul_mgpu``; else one token with ``gemv_words`` uses the one-token kernel
+        (``fp4_matmul_gemv``, ``default_gemv_config``), anything else the MMA kernel with
+        ``default_config(M, K, N)``. An ``Fp4GemvConfig`` selects the one-token kernel, an
+        ``MgpuMatmulConfig`` the tensor-core kernel.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
       [M, N] bf16, accumulated in fp32.
@@ -557,6 +574,12 @@ def fp4_matmul(
     m = x.shape[0]
     if x.shape != (m, k):
         raise ValueError(f"fp4_matmul: x has shape {x.shape}, weight needs [M, {k}]")
+    if config is None and not interpret and w.mgpu is not None and m <= MGPU_MAX_ROWS:
+        config = fmm.default_config(m, k, n)
+    if isinstance(config, fmm.MgpuMatmulConfig):
+        if w.mgpu is None:
+            raise ValueError("fp4_matmul: an MgpuMatmulConfig needs prepack(w, mgpu=True)")
+        return fmm.fp4_matmul_mgpu(x, w.mgpu, config, interpret=interpret)
     if config is None and m == 1 and w.gemv_words is not None:
         config = fmv.default_gemv_config(k, n, w.gemv_block_k, w.gemv_block_n)
     if isinstance(config, fmv.Fp4GemvConfig):

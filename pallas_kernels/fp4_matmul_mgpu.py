@@ -86,14 +86,17 @@ class MgpuMatmulConfig:
 
 
 def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
-    """Defaults per shape class: split K until there are ~2 programs per 64-row tile pair of
-    multiprocessors' worth of work (>= 264 programs on 132 multiprocessors)."""
-    del m
+    """Tuned defaults per shape class (H200, BENCHMARKS.md), ``m`` rows, weight [k, n].
+
+    Up to 16 rows: 256-element K steps, 3 buffers, K split in two where each program keeps at
+    least 8 steps (more programs in flight, fewer idle multiprocessors in the last wave).
+    More rows (a 64-row activation tile is 32 KB per buffer): 4 buffers, no split.
+    """
     block_k = 256 if k % 256 == 0 else _CHUNK
-    split = 1
-    while n // _TILE_N * split < 264 and k % (block_k * split * 2) == 0:
-        split *= 2
-    return MgpuMatmulConfig(block_k=block_k, split_k=split)
+    if m > 16:
+        return MgpuMatmulConfig(block_k=block_k, stages=4)
+    split = 2 if k % (2 * block_k) == 0 and k // (2 * block_k) >= 8 else 1
+    return MgpuMatmulConfig(block_k=block_k, stages=3, split_k=split)
 
 
 # ----------------------------------------------------------------------------- prepacked weight

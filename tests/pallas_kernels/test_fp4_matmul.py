@@ -187,7 +187,7 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
 def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
     qt = _weights(k, n, fmt, seed=12)
-    w = fm.prepack(qt)
+    w = fm.prepack(qt, mgpu=False)
     assert (w.gemv_words is not None) == (fmt == "nvfp4")  # MXFP4 keeps the GEMV form
     if cfg is not None:
         w = fmv.with_gemv_layout(w, cfg.block_k, layout_n)

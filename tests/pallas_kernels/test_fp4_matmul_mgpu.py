@@ -126,3 +126,21 @@ def test_gpu_benchmark_shapes(k, n, m):
     qt = _weights(k, n, seed=k + m, scale=0.02)
     x = _x(m, k, seed=m)
     _assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    # the dispatcher's route for a prepacked weight (default config, the same kernel)
+    _assert_close(fm.fp4_matmul(x, fm.prepack(qt)), fm.fp4_matmul_reference(x, qt))
+
+
+def test_fp4_matmul_dispatch():
+    # prepack builds the tensor-core layout for NVFP4 (and then no one-token copy); an
+    # MgpuMatmulConfig selects the kernel through fp4_matmul
+    k, n = 256, 64
+    qt = _weights(k, n, seed=10)
+    w = fm.prepack(qt)
+    assert w.mgpu is not None and w.gemv_words is None
+    x = _x(4, k, seed=11)
+    cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
+    _assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
+    assert fm.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is None
+    assert fm.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
+    with pytest.raises(ValueError, match="needs prepack"):
+        fm.fp4_matmul(x, fm.prepack(qt, mgpu=False), config=cfg, interpret=True)
