@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv     # M=1: one-token kernel sweep
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv --quick  # same, three tilings
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu     # tensor-core kernel, M<=64
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu --quick  # defaults only
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
@@ -687,10 +688,12 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
         mcase = dataclasses.replace(case, packed=mw)
         for m in ms:
             tb = best_bf16(case, m, log, seed=5)[0]
-            t_old = run_fp4(case, m, log, seed=9, label="fp4_matmul")
-            rows.append(
-                ("nvfp4 fp4_matmul default", k, n, m, t_old, tb, fp4_bytes(m, k, n, "nvfp4"))
-            )
+            for name, c in (
+                ("fp4_matmul (dispatch)", None),
+                ("Triton kernel, default_config", fm.default_config(m, k, n)),
+            ):
+                t = run_fp4(case, m, log, seed=9, config=c, label=name)
+                rows.append((f"nvfp4 {name}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4")))
             xs = [make_x(m, k, 9 + i) for i in range(SETS)]
             ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
             for v in variants:
@@ -753,7 +756,9 @@ def main(argv=None):
     ap.add_argument("--grouped-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="M=1 without the matrix unit")
-    ap.add_argument("--quick", action="store_true", help="with --gemv: three tilings, no sweep")
+    ap.add_argument(
+        "--quick", action="store_true", help="--gemv: three tilings; --mgpu: defaults only"
+    )
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
     ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -782,7 +787,7 @@ def main(argv=None):
     elif args.tune:
         table(log, tune(log))
     elif args.mgpu:
-        mgpu(log)
+        mgpu(log, (None,) if args.quick else MGPU_VARIANTS)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
