@@ -666,6 +666,9 @@ MGPU_VARIANTS = (  # (block_k, stages, split_k); None: the shape's default
     None,
     (256, 4, 1),
     (256, 3, 2),
+    (256, 2, 2),
+    (256, 3, 4),
+    (128, 4, 1),
     (512, 2, 1),
 )
 
