@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp4_matmul_mgpu as fmm
 from pallas_kernels.fp4_matmul import (
     Fp4MatmulConfig,
     Fp4Weight,
@@ -36,12 +37,16 @@ def default_grouped_config(rows: int, experts: int, k: int, n: int) -> Fp4Matmul
     return Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, split_k=1, num_stages=3)
 
 
-def prepack_grouped(w: QTensor) -> Fp4Weight:
+def prepack_grouped(w: QTensor, *, mgpu: bool = True) -> Fp4Weight:
     """Arrange expert weights ``QTensor`` [E, K, N] (quantized along K, axis 1) for the kernel.
 
     Also takes the per-expert form ``jax.vmap(quantize)`` makes of [E, K, N] weights (logical
     shape [K, N], axis 0, arrays with a leading expert axis, one global scale per expert): the
     stored bytes are the same; the global scales become per-row ones.
+
+    ``mgpu``: for NVFP4 with K and N multiples of 64, also store the tensor-core kernel's
+    layout (``fp4_matmul_mgpu.fp4_grouped_matmul_mgpu``, faster on the H200; one more copy of
+    the codes), which ``fp4_grouped_linear`` then runs on a GPU.
     """
     w = stack_experts(w)
     if len(w.shape) != 3 or w.axis != 1:
@@ -49,7 +54,11 @@ def prepack_grouped(w: QTensor) -> Fp4Weight:
             f"fp4_grouped_matmul needs weights [E, K, N] quantized along axis 1, got shape "
             f"{w.shape} axis {w.axis}"
         )
-    return _prepack_arrays(w)
+    packed = _prepack_arrays(w)
+    _, k, n = w.shape
+    if mgpu and w.fmt == fp4.NVFP4 and k % 64 == 0 and n % 64 == 0:
+        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w))
+    return packed
 
 
 def stack_experts(w: QTensor) -> QTensor:
@@ -246,7 +255,9 @@ def fp4_grouped_linear(
     dequantize + XLA ``ragged_dot`` (the model's XLA path, bit for bit).
 
     The kernel runs when x is bf16 (it is W4A16), a tiling fits the weight (``grouped_config``)
-    and there are at most ``PALLAS_MAX_ROWS`` rows.
+    and there are at most ``PALLAS_MAX_ROWS`` rows: compiled on a GPU with the tensor-core
+    layout (``prepack_grouped(mgpu=True)``), ``fp4_grouped_matmul_mgpu``; else this module's
+    kernel.
 
     Args:
       x: [T, K] rows sorted by expert.
@@ -261,6 +272,8 @@ def fp4_grouped_linear(
     if x.dtype == jnp.bfloat16 and cfg is not None and x.shape[0] <= PALLAS_MAX_ROWS:
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
+        if w.mgpu is not None and not interpret:
+            return fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, group_sizes)
         return fp4_grouped_matmul(x, w, group_sizes, config=cfg, interpret=interpret)
     wx = fp4.dequantize(w.qtensor, x.dtype)
     y = jax.lax.ragged_dot(x, wx, group_sizes, preferred_element_type=jnp.float32)

@@ -69,18 +69,23 @@ class MgpuMatmulConfig:
       stages: buffers in flight per program.
       split_k: programs that share one 64-row output tile along K (fp32 partials summed in XLA).
       decode: "asm" (PTX, GPU only) or "portable" (jnp, interpret mode).
+      block_m: grouped form only: rows per row block of an expert (a multiple of 8); each
+        block streams its expert's weight tile once.
     """
 
     block_k: int = 256
     stages: int = 4
     split_k: int = 1
     decode: Decode = "asm"
+    block_m: int = 8
 
     def __post_init__(self):
         if self.block_k < _CHUNK or self.block_k % _CHUNK:
             raise ValueError(f"MgpuMatmulConfig.block_k must be a multiple of 64: {self.block_k}")
         if self.stages < 1 or self.split_k < 1:
             raise ValueError(f"MgpuMatmulConfig: stages and split_k must be >= 1: {self}")
+        if self.block_m < 8 or self.block_m % 8 or self.block_m > 256:
+            raise ValueError(f"MgpuMatmulConfig.block_m must be a multiple of 8 <= 256: {self}")
         if self.decode not in ("asm", "portable"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
 
@@ -105,13 +110,14 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MgpuWeight:
-    """An NVFP4 weight [K, N] in the operand layout of ``fp4_matmul_mgpu`` (a pytree).
+    """NVFP4 weights [*E, K, N] in the operand layout of the kernels (a pytree); ``E``: the
+    experts of a grouped weight, absent for a dense one.
 
     Attributes:
-      words: [N/64, K/64, 2, 256] uint32, each thread's 4 code words per 64 x 64 tile (thread t
-        at flat word 4 t; two 1 KB rows, so each TMA row is long).
-      scales: [N/64, K/64, 64] uint32, one word of 4 E4M3 block scales per row and tile.
-      out_scale: [N] float32, ``global_scale * 2**(126 - 100)``.
+      words: [*E, N/64, K/64, 2, 256] uint32, each thread's 4 code words per 64 x 64 tile
+        (thread t at flat word 4 t; two 1 KB rows, so each TMA row is long).
+      scales: [*E, N/64, K/64, 64] uint32, one word of 4 E4M3 block scales per row and tile.
+      out_scale: [*E, N] float32, ``global_scale * 2**(126 - 100)``.
     """
 
     words: jax.Array
@@ -119,41 +125,56 @@ class MgpuWeight:
     out_scale: jax.Array
 
     @property
-    def shape(self) -> tuple[int, int]:
-        nt, kt = self.words.shape[:2]
-        return kt * _CHUNK, nt * _TILE_N
+    def shape(self) -> tuple[int, ...]:
+        *e, nt, kt = self.words.shape[:-2]
+        return (*e, kt * _CHUNK, nt * _TILE_N)
 
 
-def prepack_mgpu(w: QTensor) -> MgpuWeight:
-    """Arrange an NVFP4 ``QTensor`` of logical shape [K, N] (quantized along K) for the kernel."""
-    if w.fmt != fp4.NVFP4:
-        raise ValueError(f"prepack_mgpu: NVFP4 weights only, got {w.fmt.name}")
-    if w.codes.ndim != 2 or w.axis != 0:
-        raise ValueError(
-            f"prepack_mgpu: a [K, N] weight quantized along K, got codes {w.codes.shape} "
-            f"axis {w.axis}"
-        )
-    n, k = w.codes.shape[0], w.codes.shape[1] * 2
+def _pack(codes: jax.Array, block_scales: jax.Array, global_scale: jax.Array) -> MgpuWeight:
+    """Stored NVFP4 codes [*E, N, K/2], scales [*E, N, K/16], global scales broadcastable to
+    [*E, N] -> the kernels' layout."""
+    *lead, n, kh = codes.shape
+    k = 2 * kh
     if n % _TILE_N or k % _CHUNK:
         raise ValueError(f"prepack_mgpu: K={k} and N={n} must be multiples of 64")
     nt, kt = n // _TILE_N, k // _CHUNK
-    c = w.codes.astype(jnp.uint32)
-    q = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(n, k)  # nibble of element (n, k)
+    c = codes.astype(jnp.uint32)
+    q = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(-1, n, k)  # nibble of element (n, k)
+    e = q.shape[0]
     # rows n = 64 tn + 16 w + 8 rh + a; cols k = 64 kc + 16 j + 8 cto + 2 b + v
-    q = q.reshape(nt, 4, 2, 8, kt, 4, 2, 4, 2)
-    # -> [tn, kc, w, a, b, j, cto, rh, v]: thread (w, a, b), word j, pair P = 2 cto + rh
-    q = q.transpose(0, 4, 1, 3, 7, 5, 6, 2, 8).reshape(nt, kt, 128, 4, 4, 2)
-    words = jnp.zeros((nt, kt, 128, 4), jnp.uint32)
+    q = q.reshape(e, nt, 4, 2, 8, kt, 4, 2, 4, 2)
+    # -> [e, tn, kc, w, a, b, j, cto, rh, v]: thread (w, a, b), word j, pair P = 2 cto + rh
+    q = q.transpose(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(e, nt, kt, 128, 4, 4, 2)
+    words = jnp.zeros((e, nt, kt, 128, 4), jnp.uint32)
     for (p, v), (sign, mag) in _SLOTS.items():
         nib = q[..., p, v]
         words = words | ((nib >> 3) << sign) | ((nib & 7) << mag)
-    s = jax.lax.bitcast_convert_type(w.block_scales, jnp.uint8).astype(jnp.uint32)
-    s = s.reshape(nt, _TILE_N, kt, 4).transpose(0, 2, 1, 3)
-    scales = s[..., 0] | (s[..., 1] << 8) | (s[..., 2] << 16) | (s[..., 3] << 24)
-    g = jnp.reshape(w.global_scale, w.global_scale.shape[:-1] or ()).astype(jnp.float32)
-    out_scale = jnp.broadcast_to(g, (n,)) * np.float32(2.0 ** (126 - _SCALE_OFFSET))
-    words = words.reshape(nt, kt, 2, 256)
-    return MgpuWeight(words=words, scales=scales, out_scale=out_scale)
+    sc = jax.lax.bitcast_convert_type(block_scales, jnp.uint8).astype(jnp.uint32)
+    sc = sc.reshape(e, nt, _TILE_N, kt, 4).transpose(0, 1, 3, 2, 4)
+    scales = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)
+    g = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), (*lead, n))
+    return MgpuWeight(
+        words=words.reshape(*lead, nt, kt, 2, 256),
+        scales=scales.reshape(*lead, nt, kt, _TILE_N),
+        out_scale=g * np.float32(2.0 ** (126 - _SCALE_OFFSET)),
+    )
+
+
+def prepack_mgpu(w: QTensor) -> MgpuWeight:
+    """Arrange an NVFP4 ``QTensor`` for the kernels: a dense weight of logical shape [K, N]
+    quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1)."""
+    if w.fmt != fp4.NVFP4:
+        raise ValueError(f"prepack_mgpu: NVFP4 weights only, got {w.fmt.name}")
+    dense = len(w.shape) == 2 and w.axis == 0 and w.codes.ndim == 2
+    grouped = len(w.shape) == 3 and w.axis == 1 and w.codes.ndim == 3
+    if not (dense or grouped):
+        raise ValueError(
+            f"prepack_mgpu: a [K, N] weight quantized along axis 0 or [E, K, N] along axis 1, "
+            f"got shape {w.shape} axis {w.axis}"
+        )
+    g = w.global_scale
+    g = g[..., 0] if g.ndim == w.codes.ndim else g  # per row [*E, N, 1] -> [*E, N]
+    return _pack(w.codes, w.block_scales, g)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -257,33 +278,22 @@ def _decode_portable(words_ref, scales_ref):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _kernel(
-    x_gmem,
-    w_gmem,
-    s_gmem,
-    o_gmem,
-    x_smem,
-    w_smem,
-    s_smem,
-    o_smem,
-    bar,
-    a_smem=None,
-    *,
-    cfg,
-    steps,
-    mpad,
-):
+def _stream(x_rows, w_tile, s_tile, out, scratch, *, cfg, steps, k0, mpad):
+    """One 64-row output tile: ``out`` [64, mpad] f32 (gmem) = W^T[tile, K range] @ x^T.
+
+    ``x_rows`` [mpad, K], ``w_tile`` [K/64, 2, 256], ``s_tile`` [K/64, 64]: gmem views of this
+    tile's operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``.
+    """
+    x_smem, w_smem, s_smem, o_smem, bar, a_smem = scratch
     chunks = cfg.block_k // _CHUNK
-    tn = lax.axis_index("n")
-    sk = lax.axis_index("k")
     decode = _decode_asm if cfg.decode == "asm" else _decode_portable
 
     def issue(step, slot):
-        kc = (sk * steps + step) * chunks
-        plgpu.copy_gmem_to_smem(w_gmem.at[tn, pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(s_gmem.at[tn, pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
+        kc = k0 + step * chunks
+        plgpu.copy_gmem_to_smem(w_tile.at[pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(s_tile.at[pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
         plgpu.copy_gmem_to_smem(
-            x_gmem.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
+            x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
         )
 
     for s in range(min(cfg.stages, steps)):
@@ -317,8 +327,67 @@ def _kernel(
 
     pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sk, pl.ds(tn * _TILE_N, _TILE_N)])
+    plgpu.copy_smem_to_gmem(o_smem, out)
     plgpu.wait_smem_to_gmem(0)
+
+
+def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, **scratch):
+    tn = lax.axis_index("n")
+    sk = lax.axis_index("k")
+    _stream(
+        x_gmem,
+        w_gmem.at[tn],
+        s_gmem.at[tn],
+        o_gmem.at[sk, pl.ds(tn * _TILE_N, _TILE_N)],
+        _with_a_smem(scratch),
+        cfg=cfg,
+        steps=steps,
+        k0=sk * steps * (cfg.block_k // _CHUNK),
+        mpad=mpad,
+    )
+
+
+def _grouped_kernel(
+    expert_gmem, row_gmem, valid_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, **scratch
+):
+    b = lax.axis_index("b")
+    tn = lax.axis_index("n")
+    e = expert_gmem[b]
+    row = row_gmem[b]
+
+    @pl.when(valid_gmem[b] > 0)
+    def _():
+        _stream(
+            x_gmem.at[pl.ds(row, cfg.block_m)],
+            w_gmem.at[e, tn],
+            s_gmem.at[e, tn],
+            o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
+            _with_a_smem(scratch),
+            cfg=cfg,
+            steps=steps,
+            k0=0,
+            mpad=cfg.block_m,
+        )
+
+
+def _with_a_smem(scratch: dict) -> tuple:
+    names = ("x_smem", "w_smem", "s_smem", "o_smem", "bar")
+    return (*(scratch[k] for k in names), scratch.get("a_smem"))
+
+
+def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
+    chunks = cfg.block_k // _CHUNK
+    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = dict(
+        x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
+        w_smem=plgpu.SMEM((stages, chunks, 2, 256), jnp.uint32),
+        s_smem=plgpu.SMEM((stages, chunks, _TILE_N), jnp.uint32),
+        o_smem=plgpu.SMEM((_TILE_N, mpad), jnp.float32),
+        bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+    )
+    if cfg.decode == "portable":
+        scratch["a_smem"] = plgpu.SMEM((_TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
+    return scratch
 
 
 def fp4_matmul_mgpu(
@@ -348,26 +417,11 @@ def fp4_matmul_mgpu(
     if mpad != m:
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
     steps = k // (cfg.block_k * cfg.split_k)
-    stages = min(cfg.stages, steps)
-    chunks = cfg.block_k // _CHUNK
-    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
     kernel = plgpu.kernel(
-        functools.partial(
-            _kernel, cfg=dataclasses.replace(cfg, stages=stages), steps=steps, mpad=mpad
-        ),
+        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad),
         out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
-        scratch_types=dict(
-            x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
-            w_smem=plgpu.SMEM((stages, chunks, 2, 256), jnp.uint32),
-            s_smem=plgpu.SMEM((stages, chunks, _TILE_N), jnp.uint32),
-            o_smem=plgpu.SMEM((_TILE_N, mpad), jnp.float32),
-            bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-            **(
-                dict(a_smem=plgpu.SMEM((_TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle))
-                if cfg.decode == "portable"
-                else {}
-            ),
-        ),
+        scratch_types=_scratch(cfg, cfg.stages, mpad),
         grid=(n // _TILE_N, cfg.split_k),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -375,3 +429,82 @@ def fp4_matmul_mgpu(
     part = kernel(xp, w.words, w.scales)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
     return y.T.astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- grouped (MoE)
+
+
+def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
+    """Defaults for ``rows`` routed rows over ``experts`` experts: row blocks of 8-64 rows
+    (about the mean rows per expert), 256-element K steps, 3 buffers."""
+    mean = max(1, rows // max(experts, 1))
+    block_m = min(64, max(8, -(-mean // 8) * 8))
+    return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
+
+
+def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
+    """Split each expert's rows into blocks of ``block_m``: per block its expert, first row and
+    number of valid rows (0 past the last block); per row its block and position in it."""
+    e = group_sizes.shape[0]
+    nblocks = -(-rows // block_m) + e  # static bound on the blocks of any routing
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    nb = -(-sizes // block_m)
+    bend = jnp.cumsum(nb)
+    b = jnp.arange(nblocks, dtype=jnp.int32)
+    be = jnp.minimum(jnp.searchsorted(bend, b, side="right"), e - 1).astype(jnp.int32)
+    j = b - (bend - nb)[be]
+    valid = jnp.where(b < bend[-1], jnp.minimum(block_m, sizes[be] - j * block_m), 0)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    re = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), r, side="right"), e - 1)
+    off = r - starts[re]
+    rblock = (bend - nb)[re] + off // block_m
+    return be, starts[be] + j * block_m, valid, re, rblock, off % block_m, r < jnp.sum(sizes)
+
+
+def fp4_grouped_matmul_mgpu(
+    x: jax.Array,
+    w: MgpuWeight,
+    group_sizes: jax.Array,
+    cfg: MgpuMatmulConfig | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """``ragged_dot(x, dequantize(W), group_sizes)``: x [T, K] rows sorted by expert, W
+    prepacked NVFP4 expert weights [E, K, N], group_sizes [E] -> [T, N] bf16 (rows past the
+    sum of group_sizes come out zero).
+
+    One program per (row block, 64 columns): each expert's rows are cut into blocks of
+    ``cfg.block_m`` (``_row_blocks``, in XLA); a block streams its expert's weight tile through
+    the dense kernel's pipeline and writes its fp32 [64, block_m] result to its own slot, so
+    blocks that share a 64-row window of x never race; the rows are gathered back in XLA.
+    Blocks past the routing's last one exit at once, and experts without rows read no weights.
+    """
+    e, k, n = w.shape
+    t = x.shape[0]
+    if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
+        raise ValueError(
+            f"fp4_grouped_matmul_mgpu: x {x.shape}, group_sizes {group_sizes.shape} do not "
+            f"match weights {w.shape}"
+        )
+    cfg = cfg or default_grouped_config(t, e, k)
+    if interpret and cfg.decode == "asm":
+        cfg = dataclasses.replace(cfg, decode="portable")
+    if k % cfg.block_k:
+        raise ValueError(f"fp4_grouped_matmul_mgpu: K={k} is not a multiple of {cfg.block_k}")
+    bm = cfg.block_m
+    steps = k // cfg.block_k
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1)
+    be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, bm), (0, 0)))  # every block's window fits
+    kernel = plgpu.kernel(
+        functools.partial(_grouped_kernel, cfg=cfg, steps=steps),
+        out_type=jax.ShapeDtypeStruct((be.shape[0], n, bm), jnp.float32),
+        scratch_types=_scratch(cfg, cfg.stages, bm),
+        grid=(be.shape[0], n // _TILE_N),
+        grid_names=("b", "n"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    part = kernel(be, brow, valid, xp, w.words, w.scales)
+    y = part[rblock, :, rpos] * w.out_scale[re]
+    return jnp.where(rmask[:, None], y, 0).astype(jnp.bfloat16)

@@ -6,6 +6,7 @@
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv --quick  # same, three tilings
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu     # tensor-core kernel, M<=64
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu --quick  # defaults only
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --grouped-mgpu  # MoE: both kernels
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
@@ -614,7 +615,9 @@ def route(tokens, seed):
     return jnp.asarray(np.bincount(picks.ravel(), minlength=EXPERTS), jnp.int32)
 
 
-def grouped_rows(log, configs=(None,)):
+def grouped_rows(log, configs=(None,), mgpu_configs=()):
+    """Grouped rows: this module's Triton kernel at ``configs`` and the tensor-core kernel
+    (``fp4_grouped_matmul_mgpu``) at ``mgpu_configs`` (None: its default)."""
     rows = []
     for k, n in GROUPED_SHAPES:
         packed, wb = [], []
@@ -635,8 +638,12 @@ def grouped_rows(log, configs=(None,)):
             t_bf16 = time_op(ragged, list(zip(xs, wb, gss, strict=True)))
             active = int(np.count_nonzero(np.asarray(gss[0])))
             nbytes = active * (n * k // 2 + n * k // 16 + 4 * n) + 2 * t_rows * (k + n)
-            for cfg in configs:
-                fn = lambda x, w, g, c=cfg: gm.fp4_grouped_matmul(x, w, g, config=c)  # noqa: E731
+            cands = [(c, False) for c in configs] + [(c, True) for c in mgpu_configs]
+            for cfg, use_mgpu in cands:
+                if use_mgpu:
+                    fn = lambda x, w, g, c=cfg: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
+                else:
+                    fn = lambda x, w, g, c=cfg: gm.fp4_grouped_matmul(x, w, g, config=c)  # noqa: E731
                 try:
                     ok = check(
                         f"grouped k={k} tokens={tokens}",
@@ -649,6 +656,7 @@ def grouped_rows(log, configs=(None,)):
                     print(f"grouped {cfg}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     t = float("nan")
                 name = f"grouped nvfp4 {tokens} tok ({active} experts hit)"
+                name += " mgpu" if use_mgpu else ""
                 if cfg is not None:
                     name += " " + json.dumps(
                         {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -764,6 +772,7 @@ def main(argv=None):
     )
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
     ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
+    ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -789,6 +798,12 @@ def main(argv=None):
         print_table(grouped_rows(log, cfgs))
     elif args.tune:
         table(log, tune(log))
+    elif args.grouped_mgpu:
+        mcfgs = [None] + [
+            fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm)
+            for bk, st, bm in ((256, 3, 8), (256, 3, 16), (128, 4, 8), (256, 2, 8))
+        ]
+        print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
         mgpu(log, (None,) if args.quick else MGPU_VARIANTS)
     elif args.gemv:

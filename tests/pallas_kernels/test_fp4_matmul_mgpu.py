@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_mgpu as fmm
 from trace_jax import fp4
@@ -144,3 +145,72 @@ def test_fp4_matmul_dispatch():
     assert fm.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
     with pytest.raises(ValueError, match="needs prepack"):
         fm.fp4_matmul(x, fm.prepack(qt, mgpu=False), config=cfg, interpret=True)
+
+
+# ----------------------------------------------------------------------------- grouped (MoE)
+
+
+def _experts(e, k, n, seed, scale=0.05):
+    w = jax.random.normal(jax.random.key(seed), (e, k, n), jnp.float32) * scale
+    return fp4.quantize(w, "nvfp4", axis=1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "t", "cfg"),
+    [
+        # empty experts, a group spanning several blocks, rows past the sum of the sizes
+        ((5, 0, 19, 1, 0, 4), 31, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
+        ((0, 0, 3, 0, 0, 0), 3, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
+        ((2, 7, 0, 9, 1, 3), 22, None),
+    ],
+)
+def test_grouped_matches_reference(sizes, t, cfg):
+    e, k, n = len(sizes), 256, 128
+    qt = _experts(e, k, n, seed=t)
+    x = _x(t, k, seed=t + 1)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, cfg, interpret=True)
+    ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
+    total = sum(sizes)
+    assert y.shape == (t, n) and np.all(np.asarray(y, np.float32)[total:] == 0)
+    _assert_close(y[:total], ref[:total])
+
+
+def test_grouped_identity_rows_exact():
+    # each expert's rows are unit vectors: the output rows are its weight's rows, decoded
+    e, k, n = 3, 128, 64
+    qt = _experts(e, k, n, seed=4)
+    picks = [0, 5, 127, 64, 3, 9, 100]  # expert 0: 3 rows, expert 1: none, expert 2: 4 rows
+    gs = jnp.asarray([3, 0, 4], jnp.int32)
+    x = jax.nn.one_hot(jnp.asarray(picks), k, dtype=jnp.bfloat16)
+    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, interpret=True)
+    wd = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)  # [E, K, N]
+    expected = np.stack([wd[0, p] for p in picks[:3]] + [wd[2, p] for p in picks[3:]])
+    np.testing.assert_array_equal(np.asarray(y, np.float32), expected)
+
+
+def test_grouped_prepack_and_bad_inputs():
+    qt = _experts(4, 128, 64, seed=5)
+    w = gm.prepack_grouped(qt)
+    assert w.mgpu is not None and w.mgpu.shape == (4, 128, 64)
+    assert gm.prepack_grouped(qt, mgpu=False).mgpu is None
+    with pytest.raises(ValueError, match="do not match"):
+        fmm.fp4_grouped_matmul_mgpu(_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
+    with pytest.raises(ValueError, match="block_m"):
+        fmm.MgpuMatmulConfig(block_m=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("k", "n"), [(2048, 1536), (768, 2048)])
+@pytest.mark.parametrize("tokens", [16, 64, 256])
+def test_gpu_grouped_benchmark_shapes(k, n, tokens):
+    e, top = 128, 8
+    qt = _experts(e, k, n, seed=tokens, scale=0.02)
+    rng = np.random.default_rng(tokens)
+    picks = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)])
+    gs = jnp.asarray(np.bincount(picks.ravel(), minlength=e), jnp.int32)
+    x = _x(tokens * top, k, seed=k)
+    w = gm.prepack_grouped(qt)
+    ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
+    _assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
+    _assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
