@@ -452,11 +452,12 @@ def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     nb = -(-sizes // block_m)
     bend = jnp.cumsum(nb)
     b = jnp.arange(nblocks, dtype=jnp.int32)
-    be = jnp.minimum(jnp.searchsorted(bend, b, side="right"), e - 1).astype(jnp.int32)
+    find = functools.partial(jnp.searchsorted, side="right", method="compare_all")
+    be = jnp.minimum(find(bend, b), e - 1).astype(jnp.int32)
     j = b - (bend - nb)[be]
     valid = jnp.where(b < bend[-1], jnp.minimum(block_m, sizes[be] - j * block_m), 0)
     r = jnp.arange(rows, dtype=jnp.int32)
-    re = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), r, side="right"), e - 1)
+    re = jnp.minimum(find(jnp.cumsum(sizes), r), e - 1)
     off = r - starts[re]
     rblock = (bend - nb)[re] + off // block_m
     return be, starts[be] + j * block_m, valid, re, rblock, off % block_m, r < jnp.sum(sizes)
