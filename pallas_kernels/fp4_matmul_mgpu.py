@@ -71,6 +71,8 @@ class MgpuMatmulConfig:
       decode: "asm" (PTX, GPU only) or "portable" (jnp, interpret mode).
       block_m: grouped form only: rows per row block of an expert (a multiple of 8); each
         block streams its expert's weight tile once.
+      warpgroups: dense form: warpgroups per program, each decoding its own 64 weight rows
+        against one shared activation buffer (less shared memory per weight row at large M).
     """
 
     block_k: int = 256
@@ -78,6 +80,7 @@ class MgpuMatmulConfig:
     split_k: int = 1
     decode: Decode = "asm"
     block_m: int = 8
+    warpgroups: int = 1
 
     def __post_init__(self):
         if self.block_k < _CHUNK or self.block_k % _CHUNK:
@@ -86,6 +89,8 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig: stages and split_k must be >= 1: {self}")
         if self.block_m < 8 or self.block_m % 8 or self.block_m > 256:
             raise ValueError(f"MgpuMatmulConfig.block_m must be a multiple of 8 <= 256: {self}")
+        if self.warpgroups not in (1, 2, 3):
+            raise ValueError(f"MgpuMatmulConfig.warpgroups must be 1, 2 or 3: {self}")
         if self.decode not in ("asm", "portable"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
 
@@ -278,67 +283,83 @@ def _decode_portable(words_ref, scales_ref):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _stream(x_rows, w_tile, s_tile, out, scratch, *, cfg, steps, k0, mpad):
-    """One 64-row output tile: ``out`` [64, mpad] f32 (gmem) = W^T[tile, K range] @ x^T.
+def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad):
+    """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] f32 (gmem) =
+    W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64).
 
-    ``x_rows`` [mpad, K], ``w_tile`` [K/64, 2, 256], ``s_tile`` [K/64, 64]: gmem views of this
-    tile's operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``.
+    ``x_rows`` [mpad, K], ``w_tiles`` [W, K/64, 2, 256], ``s_tiles`` [W, K/64, 64]: gmem views of
+    the operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``. The
+    warpgroups share each buffer's activation tile; warpgroup 0 refills a buffer once every
+    warpgroup has marked it consumed.
     """
-    x_smem, w_smem, s_smem, o_smem, bar, a_smem = scratch
+    x_smem, w_smem, s_smem, o_smem, bar, consumed, a_smem = scratch
+    nwg = cfg.warpgroups
+    wg = lax.axis_index("wg") if nwg > 1 else 0
     chunks = cfg.block_k // _CHUNK
     decode = _decode_asm if cfg.decode == "asm" else _decode_portable
 
     def issue(step, slot):
         kc = k0 + step * chunks
-        plgpu.copy_gmem_to_smem(w_tile.at[pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(s_tile.at[pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(w_tiles.at[:, pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
+        plgpu.copy_gmem_to_smem(s_tiles.at[:, pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
         plgpu.copy_gmem_to_smem(
             x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
         )
 
-    for s in range(min(cfg.stages, steps)):
-        issue(s, s)
+    @pl.when(wg == 0)
+    def _():
+        for s in range(min(cfg.stages, steps)):
+            issue(s, s)
 
     def run(acc_ref):
         def body(step, _):
             slot = lax.rem(step, cfg.stages)
             plgpu.barrier_wait(bar.at[slot])
             for c in range(chunks):
-                a = decode(w_smem.at[slot, c], s_smem.at[slot, c])
+                a = decode(w_smem.at[slot, wg, c], s_smem.at[slot, wg, c])
                 b = x_smem.at[slot, :, pl.ds(c * _CHUNK, _CHUNK)].transpose((1, 0))
                 if a_smem is None:
                     plgpu.wgmma(acc_ref, a, b)
                 else:  # the interpreter's wgmma takes its operands from shared memory
-                    a_smem[...] = a
+                    a_smem.at[wg][...] = a
                     plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma(acc_ref, a_smem.at[wg], b)
                     plgpu.wgmma_wait(0)
             # The previous step's MMAs are done once at most this step's are pending: refill
             # its buffer with the step `stages` after it.
             plgpu.wgmma_wait(chunks)
             refill = step - 1 + cfg.stages
+            prev = lax.rem(refill, cfg.stages)
+            if nwg > 1:
 
-            @pl.when((step > 0) & (refill < steps))
+                @pl.when((step > 0) & (refill < steps))
+                def _():
+                    plgpu.barrier_arrive(consumed.at[prev])
+
+            @pl.when((wg == 0) & (step > 0) & (refill < steps))
             def _():
-                issue(refill, lax.rem(refill, cfg.stages))
+                if nwg > 1:
+                    plgpu.barrier_wait(consumed.at[prev])
+                issue(refill, prev)
 
         lax.fori_loop(0, steps, body, None)
-        o_smem[...] = acc_ref[...]
+        o_smem.at[wg][...] = acc_ref[...]
 
     pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out)
+    plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(wg * _TILE_N, _TILE_N)])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, **scratch):
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")
+    rows = cfg.warpgroups * _TILE_N
     _stream(
         x_gmem,
-        w_gmem.at[tn],
-        s_gmem.at[tn],
-        o_gmem.at[sk, pl.ds(tn * _TILE_N, _TILE_N)],
+        w_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
+        s_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
+        o_gmem.at[sk, pl.ds(tn * rows, rows)],
         _with_a_smem(scratch),
         cfg=cfg,
         steps=steps,
@@ -359,8 +380,8 @@ def _grouped_kernel(
     def _():
         _stream(
             x_gmem.at[pl.ds(row, cfg.block_m)],
-            w_gmem.at[e, tn],
-            s_gmem.at[e, tn],
+            w_gmem.at[e, pl.ds(tn, 1)],
+            s_gmem.at[e, pl.ds(tn, 1)],
             o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
             _with_a_smem(scratch),
             cfg=cfg,
@@ -372,21 +393,24 @@ def _grouped_kernel(
 
 def _with_a_smem(scratch: dict) -> tuple:
     names = ("x_smem", "w_smem", "s_smem", "o_smem", "bar")
-    return (*(scratch[k] for k in names), scratch.get("a_smem"))
+    return (*(scratch[k] for k in names), scratch.get("consumed"), scratch.get("a_smem"))
 
 
 def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
     chunks = cfg.block_k // _CHUNK
+    nwg = cfg.warpgroups
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = dict(
         x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
-        w_smem=plgpu.SMEM((stages, chunks, 2, 256), jnp.uint32),
-        s_smem=plgpu.SMEM((stages, chunks, _TILE_N), jnp.uint32),
-        o_smem=plgpu.SMEM((_TILE_N, mpad), jnp.float32),
+        w_smem=plgpu.SMEM((stages, nwg, chunks, 2, 256), jnp.uint32),
+        s_smem=plgpu.SMEM((stages, nwg, chunks, _TILE_N), jnp.uint32),
+        o_smem=plgpu.SMEM((nwg, _TILE_N, mpad), jnp.float32),
         bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
     )
+    if nwg > 1:
+        scratch["consumed"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
     if cfg.decode == "portable":
-        scratch["a_smem"] = plgpu.SMEM((_TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
+        scratch["a_smem"] = plgpu.SMEM((nwg, _TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
     return scratch
 
 
@@ -416,15 +440,19 @@ def fp4_matmul_mgpu(
     xp = x.astype(jnp.bfloat16)
     if mpad != m:
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
+    if n % (_TILE_N * cfg.warpgroups):
+        raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
     steps = k // (cfg.block_k * cfg.split_k)
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
+    threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad),
         out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
         scratch_types=_scratch(cfg, cfg.stages, mpad),
-        grid=(n // _TILE_N, cfg.split_k),
+        grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
     )
     part = kernel(xp, w.words, w.scales)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
@@ -495,7 +523,7 @@ def fp4_grouped_matmul_mgpu(
         raise ValueError(f"fp4_grouped_matmul_mgpu: K={k} is not a multiple of {cfg.block_k}")
     bm = cfg.block_m
     steps = k // cfg.block_k
-    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1)
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1, warpgroups=1)
     be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, bm), (0, 0)))  # every block's window fits
     kernel = plgpu.kernel(

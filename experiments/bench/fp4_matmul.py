@@ -670,14 +670,15 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
     return rows
 
 
-MGPU_VARIANTS = (  # (block_k, stages, split_k); None: the shape's default
+MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups); None: the shape's default
     None,
-    (256, 4, 1),
-    (256, 3, 2),
-    (256, 2, 2),
-    (256, 3, 4),
-    (128, 4, 1),
-    (512, 2, 1),
+    (256, 4, 1, 1),
+    (256, 3, 2, 1),
+    (256, 3, 4, 1),
+    (128, 4, 1, 1),
+    (128, 3, 1, 2),
+    (256, 2, 1, 2),
+    (128, 4, 2, 2),
 )
 
 
@@ -708,7 +709,11 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
             xs = [make_x(m, k, 9 + i) for i in range(SETS)]
             ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
             for v in variants:
-                cfg = fmm.default_config(m, k, n) if v is None else fmm.MgpuMatmulConfig(*v)
+                cfg = (
+                    fmm.default_config(m, k, n)
+                    if v is None
+                    else fmm.MgpuMatmulConfig(*v[:3], warpgroups=v[3])
+                )
                 fn = lambda x, w, cfg=cfg: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
                 try:
                     ok = check(f"mgpu m={m} k={k} {cfg}", fn(xs[0], mw[0]), ref, log)
@@ -716,7 +721,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
                 except Exception as e:
                     print(f"mgpu m={m} k={k} {cfg}: {type(e).__name__}: {str(e)[:600]}", flush=True)
                     t = float("nan")
-                label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]}"
+                label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]} wg={v[3]}"
                 print(f"  mgpu k={k} m={m} {label}: {t * 1e6:.1f} us x{tb / t:.2f}", flush=True)
                 log.append(dict(mgpu=label, k=k, m=m, us=t * 1e6, bf16_us=tb * 1e6))
                 rows.append((f"nvfp4 mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4")))

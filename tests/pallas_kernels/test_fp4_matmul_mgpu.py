@@ -54,6 +54,8 @@ def test_identity_rows_recover_dequantize_exactly():
         (5, 512, 128, fmm.MgpuMatmulConfig(block_k=128, stages=2, split_k=2)),
         (16, 256, 64, fmm.MgpuMatmulConfig(block_k=256, stages=4)),  # stages > steps
         (24, 384, 192, None),
+        # two warpgroups share each activation buffer; the refill waits for both
+        (24, 256, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
     ],
 )
 def test_matches_reference(m, k, n, cfg):
