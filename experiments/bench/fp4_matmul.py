@@ -672,8 +672,6 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
 
 MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups); None: the shape's default
     None,
-    (256, 4, 1, 1),
-    (256, 3, 2, 1),
     (256, 3, 4, 1),
     (128, 4, 1, 1),
     (128, 3, 1, 2),
@@ -778,6 +776,7 @@ def main(argv=None):
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
     ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
+    ap.add_argument("--ms", default="1,16,64", help="--mgpu: the token counts M")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -806,11 +805,12 @@ def main(argv=None):
     elif args.grouped_mgpu:
         mcfgs = [None] + [
             fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm)
-            for bk, st, bm in ((256, 3, 8), (256, 3, 16), (128, 4, 8), (256, 2, 8))
+            for bk, st, bm in ((256, 3, 16), (128, 4, 8))
         ]
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
-        mgpu(log, (None,) if args.quick else MGPU_VARIANTS)
+        ms = tuple(int(v) for v in args.ms.split(","))
+        mgpu(log, (None,) if args.quick else MGPU_VARIANTS, ms)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
