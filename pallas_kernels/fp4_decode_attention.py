@@ -16,12 +16,14 @@ Kernel layout (Pallas, Triton lowering):
 * Split-K over the sequence (flash-decoding): each program walks ``block_k``-token steps of its
   share of ``[lo, length)`` with an online softmax and writes an unnormalised fp32 partial output
   with its running max and sum; ``_combine`` merges the splits in XLA.
-* FP4: the packed bytes are decoded by ``fp4_matmul.dequantize_tile`` into the even and odd
-  D positions (two [block_k, D/2] bf16 tiles, exact: E2M1 x block scale needs 6 significant
-  bits); q is split into its even and odd columns in XLA, so ``q.k = q_e.k_e + q_o.k_o`` and the
-  output comes back as even and odd halves. The global scale (and the decode's power-of-two
-  offset) is per token, so it multiplies a column of the logits for K and a column of the
-  probabilities for V instead of every element.
+* FP4: the packed codes are read as 16-bit words of four codes and decoded into four
+  [block_k, D/4] bf16 tiles, tile t holding the D positions 4m + t (exact: E2M1 x block scale
+  needs 6 significant bits; ``_NIBBLE_ASM``); q is split into the same four column sets in XLA,
+  so ``q.k = sum_t q_t.k_t``, and the output comes back as four parts. Triton loads the code
+  words straight into the matrix unit's operand layout, where each decoded bf16 pair comes from
+  one 32-bit register with shifts and masks alone. The global scale (and the decode's
+  power-of-two offset) is per token, so it multiplies a column of the logits for K and a column
+  of the probabilities for V instead of every element.
 * FP8: E4M3 values convert exactly to bf16; the per-token scale is applied as for FP4.
 
 ``decode_attention_reference`` is the pure-JAX definition (``kv_cache.read`` + softmax).
@@ -41,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp4_matmul import _EXPANDED_SCALE, DEQUANT_TILE, dequantize_tile
+from pallas_kernels.fp4_matmul import _dequant_portable, _scale_bf16_bits
 from trace_jax import fp4
 from trace_jax.fp4.formats import E8M0_NAN
 from trace_jax.rollout import kv_cache
@@ -68,8 +70,7 @@ class DecodeAttentionConfig:
       num_warps: warps per program.
       num_stages: software-pipelining depth of the slot loop.
       dequant: FP4 decode: "asm" (PTX bit operations, GPU only) or "portable" (plain jnp; used
-        automatically in interpret mode); any other ``fp4_matmul.DEQUANT_TILE`` mode that takes
-        one scale per block (benchmark diagnostics).
+        automatically in interpret mode).
     """
 
     block_k: int = 64
@@ -83,26 +84,32 @@ class DecodeAttentionConfig:
             raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-        if self.dequant not in DEQUANT_TILE or self.dequant in _EXPANDED_SCALE:
+        if self.dequant not in _DEQUANT:
             raise ValueError(f"dequant must be 'asm' or 'portable', got {self.dequant!r}")
 
 
 def default_config(batch: int, max_len: int, kv_heads: int, fmt: CacheFormat):
-    """Defaults per shape class (H200 sweep at B=32 S=8192, BENCHMARKS.md).
+    """Defaults per shape class (H200 sweeps at B=32 S=8192, BENCHMARKS.md).
 
-    64-slot steps were fastest for bf16 and NVFP4 (32 and 128 slower); splits are chosen so that
-    ``batch * kv_heads * splits`` is about 1024 programs (about 8 per multiprocessor) without a
-    split shorter than 4 steps (4 to 8 splits were within noise of each other at B=32). The same
-    tiling serves every format: all formats run at about the same time per step (BENCHMARKS.md).
+    bf16 and fp8: 64-slot steps of 4-warp programs, 2 stages (32 and 128 slower for bf16).
+    FP4: one-warp programs (NVFP4: 16-slot steps, 3 stages; MXFP4: 32-slot steps, 2 stages).
+    The FP4 kernel is bound by instruction issue, not bytes (Nsight Compute); a one-warp program
+    has no cross-warp reductions or barriers in its softmax and held 12 programs per
+    multiprocessor against 3 of 4 warps. Splits are chosen so that ``batch * kv_heads * splits``
+    is about 1024 programs without a split shorter than 4 steps (4 to 8 splits were within noise
+    of each other at B=32).
     """
-    block_k = min(64, _prev_pow2(max_len))
+    step, warps, stages = {"nvfp4": (16, 1, 3), "mxfp4": (32, 1, 2)}.get(fmt, (64, 4, 2))
+    block_k = min(step, _prev_pow2(max_len))
     while max_len % block_k:
         block_k //= 2
     steps = max(1, max_len // block_k)
     splits = 1
     while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
         splits *= 2
-    return DecodeAttentionConfig(block_k=block_k, num_splits=splits)
+    return DecodeAttentionConfig(
+        block_k=block_k, num_splits=splits, num_warps=warps, num_stages=stages
+    )
 
 
 def _prev_pow2(v: int) -> int:
@@ -155,9 +162,9 @@ def _operands(stored: kv_cache.Stored) -> list[jax.Array]:
 def _load_tile(refs, start, cfg, fmt: CacheFormat):
     """One step's K or V tile.
 
-    Returns (parts, column_scale): parts are bf16 [block_k, D] (bf16, fp8) or the even and odd
-    D positions [block_k, D/2] (FP4); column_scale [block_k] float32 multiplies the token's
-    contribution (None when 1).
+    Returns (parts, column_scale): parts are bf16 [block_k, D] (bf16, fp8) or the four tiles of
+    D positions 4m + t, [block_k, D/4] each (FP4); column_scale [block_k] float32 multiplies the
+    token's contribution (None when 1).
     """
     rows = pl.ds(start, cfg.block_k)
     return _decode_tile([r[rows, :] if len(r.shape) == 2 else r[rows] for r in refs], cfg, fmt)
@@ -190,8 +197,84 @@ def _decode_tile(arrays, cfg, fmt: CacheFormat):
         col = g * jax.lax.bitcast_convert_type(exp_bits << 23, jnp.float32)
         col = jnp.where(row_nan, jnp.nan, col)
         scales = s32.astype(jnp.uint8)
-    even, odd = dequantize_tile(codes, scales, offset, spec, cfg.dequant)
-    return [even, odd], col
+    return list(_DEQUANT[cfg.dequant](codes, scales, offset, spec)), col
+
+
+# ----------------------------------------------------------------------------- FP4 decode
+
+# The FP4 codes of a row are read as 16-bit words (``_codes_u16``): word m holds the codes of D
+# positions 4m .. 4m+3 in its nibbles 0 .. 3 (little-endian bytes, low nibble first), and the
+# kernel decodes them into four tiles, tile t holding positions 4m + t. Every output element
+# then comes from one input element at the same nibble of each 16-bit lane, so a 32-bit register
+# of two words (two neighbouring positions of the matrix unit's operand) decodes to a bf16 pair
+# with shifts and masks alone, with no byte regrouping. For nibble t, two shifted copies of the
+# register bring its sign to bit 15 and its 3 magnitude bits to bits 8..6 of each lane; one
+# masked merge gives bf16 pairs worth code * 2**-126 (the 0.5 code is a bf16 subnormal; bf16
+# arithmetic keeps subnormals), and ``mul.bf16x2`` applies the block scales (as fp4_matmul's
+# "asm" decode). Operands: $0 the output pair, $1 the code words, $2 the scale pair.
+_NIBBLE_ASM = """
+{{
+.reg .b32 a, b;
+{sign}
+{mag}
+and.b32 b, b, 0x01C001C0;
+and.b32 a, a, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $2;
+}}
+"""
+_NIBBLE_SHIFTS = (  # nibble t -> (sign copy, magnitude copy) of the code words $1
+    ("shl.b32 a, $1, 12;", "shl.b32 b, $1, 6;"),
+    ("shl.b32 a, $1, 8;", "shl.b32 b, $1, 2;"),
+    ("shl.b32 a, $1, 4;", "shr.b32 b, $1, 2;"),
+    ("mov.b32 a, $1;", "shr.b32 b, $1, 6;"),
+)
+_NIBBLE_ASMS = tuple(_NIBBLE_ASM.format(sign=a, mag=b) for a, b in _NIBBLE_SHIFTS)
+_FP4_PARTS = len(_NIBBLE_ASMS)
+
+
+def _codes_u16(codes: jax.Array) -> jax.Array:
+    """FP4 codes [..., D/2] (bytes) viewed as 16-bit words [..., D/4] (the same bytes)."""
+    codes = jax.lax.bitcast_convert_type(codes, jnp.uint8) if codes.dtype != jnp.uint8 else codes
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def _codes_u8(words: jax.Array) -> jax.Array:
+    """Inverse of ``_codes_u16``: [..., D/4] uint16 -> [..., D/2] uint8."""
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(
+        *words.shape[:-1], words.shape[-1] * 2
+    )
+
+
+def _expand_scales(s, offset, fmt, n):
+    """Block-scale bytes [R, groups] -> bf16 [R, n] of ``scale * 2**offset``, one per code word."""
+    rows, groups = s.shape
+    scale = jax.lax.bitcast_convert_type(_scale_bf16_bits(s, offset, fmt), jnp.bfloat16)
+    return jnp.broadcast_to(scale[:, :, None], (rows, groups, n // groups)).reshape(rows, n)
+
+
+def _dequant_nibbles_asm(words, s, offset, fmt):
+    """Code words [R, D/4] uint16 and scale bytes [R, D/block] -> the four tiles of D positions
+    4m + t, bf16 [R, D/4] each, worth ``code * scale * 2**(offset - 126)`` (exact; GPU only)."""
+    rows, n = words.shape
+    scale = _expand_scales(s, offset, fmt, n)
+    out = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+    return tuple(
+        plgpu.elementwise_inline_asm(
+            asm, args=[words, scale], constraints="=r,r,r", pack=2, result_shape_dtypes=[out]
+        )[0]
+        for asm in _NIBBLE_ASMS
+    )
+
+
+def _dequant_nibbles_portable(words, s, offset, fmt):
+    """As ``_dequant_nibbles_asm``, in plain jnp (``fp4_matmul``'s portable decode)."""
+    even, odd = _dequant_portable(_codes_u8(words), s, offset, fmt)  # D positions 2j, 2j + 1
+    return even[:, 0::2], odd[:, 0::2], even[:, 1::2], odd[:, 1::2]
+
+
+_DEQUANT = {"asm": _dequant_nibbles_asm, "portable": _dequant_nibbles_portable}
 
 
 def _decode_attention_kernel(
@@ -459,8 +542,10 @@ def _check(q, k, v, window, config, interpret):
 
 
 def _q_parts(x: jax.Array, fmt: CacheFormat) -> list[jax.Array]:
-    """[..., D] -> its even and odd D positions for FP4 caches (the decoded tiles' layout)."""
-    return [x[..., 0::2], x[..., 1::2]] if fmt in ("nvfp4", "mxfp4") else [x]
+    """[..., D] -> for FP4 caches, its D positions 4m + t, t = 0..3 (the decoded tiles)."""
+    if fmt in ("nvfp4", "mxfp4"):
+        return [x[..., t::_FP4_PARTS] for t in range(_FP4_PARTS)]
+    return [x]
 
 
 def _as_bytes(arrays: list[jax.Array]) -> list[jax.Array]:
@@ -495,6 +580,15 @@ def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interp
     b, s, hkv = k_ops[0].shape[:3]
     hq, d = q.shape[1:]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    fp4_cache = fmt in ("nvfp4", "mxfp4")
+    if fp4_cache:  # the codes as 16-bit words (``_codes_u16``), the cache's rows too
+        k_ops = [_codes_u16(k_ops[0]), *k_ops[1:]]
+        v_ops = [_codes_u16(v_ops[0]), *v_ops[1:]]
+        if append is not None:
+            slots, extra = append
+            nk = len(k_ops)
+            extra = [_codes_u16(a) if i % nk == 0 else a for i, a in enumerate(extra)]
+            append = (slots, extra)
     group = hq // hkv
     rows = max(_MIN_ROWS, _next_pow2(group))
     splits = cfg.num_splits
@@ -567,7 +661,11 @@ def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interp
     n = len(q_parts)
     parts = _combine(outs[:n], outs[n], outs[n + 1])
     out = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=-1).reshape(b, hkv, group, d)
-    return out.reshape(b, hq, d).astype(jnp.bfloat16), list(outs[n + 2 :])
+    written = list(outs[n + 2 :])
+    if fp4_cache and written:
+        nk = len(k_ops)
+        written = [_codes_u8(a) if i % nk == 0 else a for i, a in enumerate(written)]
+    return out.reshape(b, hq, d).astype(jnp.bfloat16), written
 
 
 # ----------------------------------------------------------------------------- reference

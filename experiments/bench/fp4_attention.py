@@ -19,6 +19,7 @@ q and the output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -347,9 +348,9 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
 # ----------------------------------------------------------------------------- table
 
 
-def table(log, configs=None):
+def table(log, configs=None, shapes=SHAPES):
     rows = []
-    for b, s in SHAPES:
+    for b, s in shapes:
         print(f"B={b} S={s} Hq={HQ} Hkv={HKV} D={D}", flush=True)
         res = {}
         bf16_case = make_case(b, s, "bf16", SETS, seed=b)
@@ -417,9 +418,12 @@ def print_table(rows):
 # ----------------------------------------------------------------------------- sweep
 
 
-def sweep(log, shapes=SHAPES[:1], formats=FORMATS):
-    """Time a grid of tilings per format and shape; returns the fastest config of each."""
-    grid = [
+def sweep(log, shapes=SHAPES[:1], formats=FORMATS, grid=None):
+    """Time a grid of tilings per format and shape; each config is checked. ``grid``: dicts of
+    ``DecodeAttentionConfig`` fields, each replacing those of ``default_config`` for the shape
+    and format ({} is the default); None: block_k x splits x stages at 4 warps.
+    Returns the fastest config of each."""
+    grid = grid or [
         dict(block_k=bk, num_splits=sp, num_warps=w, num_stages=st)
         for bk in (32, 64, 128)
         for sp in (4, 8, 16)
@@ -432,36 +436,38 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS):
             case = make_case(b, s, fmt, SETS, seed=b)
             res = []
             for g in grid:
-                cfg = fa.DecodeAttentionConfig(**g)
+                cfg = dataclasses.replace(fa.default_config(b, s, HKV, fmt), **g)
                 try:
                     t = time_op(ours(cfg), case, reps=3, min_s=0.01)
                 except Exception as e:
                     print(f"  {fmt} {g}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 frac = op_bytes(b, s, fmt) / t / HBM_BYTES_PER_S
+                ok = check(f"sweep {fmt} {g}", ours(cfg), case, log)
                 res.append((t, g))
-                log.append(dict(sweep=fmt, b=b, s=s, us=t * 1e6, hbm=frac, **g))
-                print(f"  {fmt} B={b} S={s} {g}: {t * 1e6:.1f} us {100 * frac:.0f} %", flush=True)
+                log.append(dict(sweep=fmt, b=b, s=s, us=t * 1e6, hbm=frac, ok=ok, **g))
+                print(
+                    f"  {fmt} B={b} S={s} {g}: {t * 1e6:.1f} us {100 * frac:.0f} % "
+                    f"check {'ok' if ok else 'FAIL'}",
+                    flush=True,
+                )
             t, g = min(res, key=lambda r: r[0])
-            ok = check(f"sweep best {fmt}", ours(fa.DecodeAttentionConfig(**g)), case, log)
-            best[(fmt, b, s)] = fa.DecodeAttentionConfig(**g)
-            print(f"BEST {fmt} B={b} S={s}: {g} {t * 1e6:.1f} us check {ok}", flush=True)
+            best[(fmt, b, s)] = dataclasses.replace(fa.default_config(b, s, HKV, fmt), **g)
+            print(f"BEST {fmt} B={b} S={s}: {g} {t * 1e6:.1f} us", flush=True)
             del case
     return best
 
 
 def diagnose(log, b=32, s=8192):
-    """What bounds the FP4 kernel: the same tiling with the PTX decode, the plain-jnp decode, and
-    fp4_matmul's "bytes_only" decode (packed bytes converted without scales: values wrong, timed
-    without a check)."""
+    """What the decode costs: the default tiling with the PTX decode and with the plain-jnp
+    decode (more integer work per code), each checked."""
     case = make_case(b, s, "nvfp4", SETS, seed=b)
-    for dequant, stages in (("asm", 3), ("portable", 3), ("bytes_only", 3), ("bytes_only", 4)):
-        cfg = fa.DecodeAttentionConfig(block_k=64, num_splits=8, num_stages=stages, dequant=dequant)
+    for dequant in ("asm", "portable"):
+        cfg = dataclasses.replace(fa.default_config(b, s, HKV, "nvfp4"), dequant=dequant)
+        ok = check(f"diagnose {dequant}", ours(cfg), case, log)
         t = time_op(ours(cfg), case, reps=3, min_s=0.01)
-        log.append(dict(diagnose=dequant, b=b, s=s, us=t * 1e6, num_stages=stages))
-        print(
-            f"  nvfp4 B={b} S={s} dequant={dequant} stages={stages}: {t * 1e6:.1f} us", flush=True
-        )
+        log.append(dict(diagnose=dequant, b=b, s=s, us=t * 1e6, ok=ok))
+        print(f"  nvfp4 B={b} S={s} dequant={dequant}: {t * 1e6:.1f} us check {ok}", flush=True)
 
 
 def smoke(log):
@@ -483,6 +489,16 @@ def main(argv=None):
         "--fused", action="store_true", help="append fused into the attention (B=64 S=2048)"
     )
     p.add_argument("--formats", default=",".join(FORMATS), help="formats for --sweep")
+    p.add_argument(
+        "--grid",
+        help="with --sweep: a JSON list of DecodeAttentionConfig fields to time instead of the "
+        'default grid, e.g. \'[{"block_k": 64, "num_splits": 8, "prefetch": 1}]\'',
+    )
+    p.add_argument(
+        "--shapes",
+        help="with --sweep: BxS pairs to sweep, e.g. 32x8192,64x2048 (default: the first shape); "
+        "without --sweep: the table's shapes",
+    )
     p.add_argument("--log", default=os.path.join(os.environ.get("OUT", "."), "fp4_attention.json"))
     args = p.parse_args(argv)
     log = []
@@ -497,9 +513,24 @@ def main(argv=None):
         for fmt in ("nvfp4", "mxfp4", "bf16"):
             time_fused(64, 2048, fmt, log)
     else:
-        configs = sweep(log, formats=args.formats.split(",")) if args.sweep else None
-        print_table(table(log, configs))
-    with open(args.log, "w") as f:
+        shapes = (
+            tuple(tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(","))
+            if args.shapes
+            else None
+        )
+        configs = None
+        if args.sweep:
+            grid = json.loads(args.grid) if args.grid else None
+            configs = sweep(log, shapes or SHAPES[:1], args.formats.split(","), grid)
+            if args.grid:  # a grid of variants: its table is the sweep's lines
+                return finish(log, args.log)
+        print_table(table(log, configs, shapes or SHAPES))
+    return finish(log, args.log)
+
+
+def finish(log, path) -> int:
+    """Write the log; 1 if any check failed."""
+    with open(path, "w") as f:
         json.dump(log, f, indent=1, default=str)
     failed = [e for e in log if "ok" in e and not e["ok"]]
     return 1 if failed else 0

@@ -6,6 +6,8 @@ Occupancy diagnostic for the GPU benchmarks: each configuration runs once in a c
 under ``ncu`` (launch statistics and occupancy sections of the kernel's first launch).
 Usage (GPU machine): ``PYTHONPATH=. python3 experiments/bench/kernel_resources.py``; prints the
 per-thread registers, shared memory per block, and theoretical and achieved occupancy per case.
+``--attention-stalls '[{}, {"prefetch": 1}]'``: stall reasons, pipe use and occupancy of the
+nvfp4 kernel at B=32 S=8192, one launch per configuration (``DecodeAttentionConfig`` fields).
 Needs ``ncu`` (the CUDA toolkit's) on PATH or under /usr/local/cuda*/bin.
 """
 
@@ -172,9 +174,81 @@ def matmul_main(ncu: str, out_dir: str) -> int:
     return 0
 
 
+ATTENTION_STALL_METRICS = (
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_membar_per_issue_active.ratio",
+    "smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio",
+    "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "dram__bytes_read.sum",
+    "sass__inst_executed_per_opcode",
+)
+
+
+def run_attention_configs() -> None:
+    """Child process: one nvfp4 decode-attention launch (B=32 S=8192) per configuration given
+    on the command line (a JSON list of ``DecodeAttentionConfig`` fields; {} is the default)."""
+    import json
+
+    import jax
+
+    from experiments.bench import fp4_attention as bench
+    from pallas_kernels import fp4_decode_attention as fa
+
+    q, k, v, n = bench.make_case(32, 8192, "nvfp4", 1, seed=1)[0]
+    for spec in json.loads(sys.argv[2]):
+        cfg = fa.DecodeAttentionConfig(**spec) if spec else None
+        print(f"CASE {spec}", flush=True)
+        jax.block_until_ready(fa.decode_attention(q, k, v, n, config=cfg))
+
+
+def attention_stalls(ncu: str, out_dir: str, specs: str) -> int:
+    """Where the nvfp4 decode-attention kernel's warps wait (ncu stall reasons per issued
+    instruction, pipe use, occupancy), one launch per configuration in ``specs``."""
+    import os
+
+    log_path = os.path.join(out_dir, "ncu_attention.txt")
+    cmd = [ncu, "--clock-control", "none", "--section", "SpeedOfLight", "--section",
+           "WarpStateStats", "--section", "LaunchStats", "--section", "Occupancy",
+           "--section", "SchedulerStats", "--metrics", ",".join(ATTENTION_STALL_METRICS),
+           "--print-metric-instances", "values",
+           "-k", "regex:decode_attention", "--log-file", log_path,
+           sys.executable, __file__, "--child-attention", specs]  # fmt: skip
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(res.stdout[-1500:] + res.stderr[-1500:], flush=True)
+    print(f"ncu rc={res.returncode}", flush=True)
+    keys = (
+        *METRICS,
+        *("stalled", "pipe_", "dram__bytes", "Issue Slots", "Eligible Warps", "No Eligible"),
+        "inst_executed_per_opcode",
+        *("Active Warps Per Scheduler", "Warp Cycles Per Issued"),
+    )
+    with open(log_path) as f:
+        for ln in f.read().splitlines():
+            if ln.startswith("CASE") or "decode_attention" in ln or any(m in ln for m in keys):
+                print(f"  {re.sub(r'\s+', ' ', ln.strip())[:3000]}", flush=True)
+    return 0
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         run_case(sys.argv[2])
+        return 0
+    if len(sys.argv) == 3 and sys.argv[1] == "--child-attention":
+        run_attention_configs()
         return 0
     if len(sys.argv) >= 2 and sys.argv[1] == "--child-matmul":
         run_matmul_cases()
@@ -187,6 +261,10 @@ def main() -> int:
         import os
 
         return matmul_main(ncu, os.environ.get("OUT", "."))
+    if len(sys.argv) == 3 and sys.argv[1] == "--attention-stalls":
+        import os
+
+        return attention_stalls(ncu, os.environ.get("OUT", "."), sys.argv[2])
     for name in CASES:
         cmd = [ncu, "--section", "LaunchStats", "--section", "Occupancy", "--section",
                "SpeedOfLight", "-k", "regex:decode_attention", "-c", "1",

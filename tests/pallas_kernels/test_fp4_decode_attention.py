@@ -126,6 +126,25 @@ def test_splits_and_steps_agree():
         _assert_close(y, ref)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_tiles_hold_d_positions_4m_plus_t(fmt):
+    # The kernel's FP4 decode (the portable form interpret mode runs; the PTX form is checked
+    # against the reference by the GPU tests) times its per-token column scale, against the
+    # cache's own dequantization: tile t, column m is D position 4m + t, for every code value.
+    s, d = 64, 128
+    _, k, _ = _inputs(fmt, 1, s, 1, 1, d, seed=9)
+    codes, scales, g = (a[0, :, 0] for a in fa._operands(k))
+    words = fa._codes_u16(codes)
+    np.testing.assert_array_equal(np.asarray(fa._codes_u8(words)), np.asarray(codes))
+    cfg = fa.DecodeAttentionConfig(dequant="portable")
+    parts, col = fa._decode_tile([words, scales, g], cfg, fmt)
+    assert len(parts) == 4 and parts[0].shape == (s, d // 4) and parts[0].dtype == jnp.bfloat16
+    got = jnp.stack([p.astype(jnp.float32) for p in parts], axis=-1).reshape(s, d) * col[:, None]
+    want = kv_cache.read(k, jnp.float32)[0, :, 0]
+    assert np.unique(np.asarray(codes) & 0xF).size == 16  # every code value occurs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0)
+
+
 def test_nan_in_a_valid_slot_is_loud():
     b, s, hkv, hq, d = 1, 32, 1, 2, 32
     q, k, v = _inputs("nvfp4", b, s, hkv, hq, d, seed=6)
