@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from trace_jax import fp4
 from trace_jax.fp4 import QTensor
+from trace_jax.fp4.formats import E8M0_NAN
 
 _TILE_N = 64  # weight rows per program: the wgmma register operand's rows
 _CHUNK = 64  # K elements per decoded operand tile (4 NVFP4 blocks)
@@ -122,12 +122,17 @@ class MgpuWeight:
       words: [*E, N/64, K/64, 2, 256] uint32, each thread's 4 code words per 64 x 64 tile
         (thread t at flat word 4 t; two 1 KB rows, so each TMA row is long).
       scales: [*E, N/64, K/64, 64] uint32, one word of 4 E4M3 block scales per row and tile.
-      out_scale: [*E, N] float32, ``global_scale * 2**(126 - 100)``.
+      out_scale: [*E, N] float32, what multiplies the fp32 sums: ``global_scale * 2**(126 - c)``
+        for the offset ``c`` folded into the scales; NaN for a row with a NaN (E8M0) scale.
+      scale_format: "e4m3" (NVFP4: scale bytes are E4M3 bits, ``c`` = 100) or "e8m0" (MXFP4:
+        bytes are the biased exponent plus ``c = 254 - max exponent``, each 32-element block's
+        byte repeated for its two 16-element halves).
     """
 
     words: jax.Array
     scales: jax.Array
     out_scale: jax.Array
+    scale_format: str = dataclasses.field(default="e4m3", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -135,9 +140,11 @@ class MgpuWeight:
         return (*e, kt * _CHUNK, nt * _TILE_N)
 
 
-def _pack(codes: jax.Array, block_scales: jax.Array, global_scale: jax.Array) -> MgpuWeight:
-    """Stored NVFP4 codes [*E, N, K/2], scales [*E, N, K/16], global scales broadcastable to
-    [*E, N] -> the kernels' layout."""
+def _pack(
+    codes: jax.Array, scale_bytes: jax.Array, out_scale: jax.Array, scale_format: str
+) -> MgpuWeight:
+    """Stored codes [*E, N, K/2] uint8, one scale byte per 16-element block [*E, N, K/16]
+    uint8 and ``out_scale`` [*E, N] -> the kernels' layout."""
     *lead, n, kh = codes.shape
     k = 2 * kh
     if n % _TILE_N or k % _CHUNK:
@@ -154,22 +161,22 @@ def _pack(codes: jax.Array, block_scales: jax.Array, global_scale: jax.Array) ->
     for (p, v), (sign, mag) in _SLOTS.items():
         nib = q[..., p, v]
         words = words | ((nib >> 3) << sign) | ((nib & 7) << mag)
-    sc = jax.lax.bitcast_convert_type(block_scales, jnp.uint8).astype(jnp.uint32)
+    sc = scale_bytes.astype(jnp.uint32)
     sc = sc.reshape(e, nt, _TILE_N, kt, 4).transpose(0, 1, 3, 2, 4)
     scales = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)
-    g = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32), (*lead, n))
     return MgpuWeight(
         words=words.reshape(*lead, nt, kt, 2, 256),
         scales=scales.reshape(*lead, nt, kt, _TILE_N),
-        out_scale=g * np.float32(2.0 ** (126 - _SCALE_OFFSET)),
+        out_scale=out_scale,
+        scale_format=scale_format,
     )
 
 
 def prepack_mgpu(w: QTensor) -> MgpuWeight:
-    """Arrange an NVFP4 ``QTensor`` for the kernels: a dense weight of logical shape [K, N]
-    quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1)."""
-    if w.fmt != fp4.NVFP4:
-        raise ValueError(f"prepack_mgpu: NVFP4 weights only, got {w.fmt.name}")
+    """Arrange an NVFP4 or MXFP4 ``QTensor`` for the kernels: a dense weight of logical shape
+    [K, N] quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1)."""
+    from pallas_kernels.fp4_matmul import _prepack_arrays  # the offsets of every FP4 kernel
+
     dense = len(w.shape) == 2 and w.axis == 0 and w.codes.ndim == 2
     grouped = len(w.shape) == 3 and w.axis == 1 and w.codes.ndim == 3
     if not (dense or grouped):
@@ -177,25 +184,33 @@ def prepack_mgpu(w: QTensor) -> MgpuWeight:
             f"prepack_mgpu: a [K, N] weight quantized along axis 0 or [E, K, N] along axis 1, "
             f"got shape {w.shape} axis {w.axis}"
         )
-    g = w.global_scale
-    g = g[..., 0] if g.ndim == w.codes.ndim else g  # per row [*E, N, 1] -> [*E, N]
-    return _pack(w.codes, w.block_scales, g)
+    base = _prepack_arrays(w)
+    sb = base.scales  # [*E, N, K/block] uint8
+    if w.fmt.scale_format == "e8m0":
+        finite = jnp.where(sb == E8M0_NAN, 0, sb).astype(jnp.int32)
+        sb = jnp.repeat((finite + base.scale_offset).astype(jnp.uint8), 2, axis=-1)
+    return _pack(w.codes, sb, base.out_scale, w.fmt.scale_format)
 
 
 # ----------------------------------------------------------------------------- decode
 
-_SCALE_BIAS = ((_SCALE_OFFSET + 120) << 7) * 0x10001  # E4M3 -> bf16 exponent, both halves
+# scale byte -> the bf16 pair (scale * 2**c, scale * 2**c) = byte * mult + bias
+_SCALE_MAD = {
+    "e4m3": (0x00100010, ((_SCALE_OFFSET + 120) << 7) * 0x10001),  # E4M3 bits -> exponent 7..14
+    "e8m0": (0x00800080, 0),  # already the biased exponent
+}
 
 
-def _asm_word(j: int) -> str:
+def _asm_word(j: int, scale_format: str) -> str:
     """PTX: code word $4 and the two rows' scale words $5, $6 -> 4 bf16 pairs $0..$3."""
+    mult, bias = _SCALE_MAD[scale_format]
     return f"""
 {{
 .reg .b32 a, b, sa, sb;
 bfe.u32 sa, $5, {8 * j}, 8;
-mad.lo.u32 sa, sa, 0x00100010, {_SCALE_BIAS};
+mad.lo.u32 sa, sa, {mult}, {bias};
 bfe.u32 sb, $6, {8 * j}, 8;
-mad.lo.u32 sb, sb, 0x00100010, {_SCALE_BIAS};
+mad.lo.u32 sb, sb, {mult}, {bias};
 and.b32 a, $4, 0x81C081C0;
 mul.rn.bf16x2 $0, a, sa;
 shl.b32 a, $4, 6;
@@ -215,7 +230,7 @@ mul.rn.bf16x2 $3, a, sb;
 """
 
 
-def _decode_asm(words_ref, scales_ref):
+def _decode_asm(words_ref, scales_ref, scale_format):
     """[2, 256] uint32 code words and [64] uint32 scale words (shared memory) -> the bf16
     [64, 64] operand tile in the ``wgmma`` register layout."""
     from jax._src.lib.mlir import ir
@@ -249,7 +264,8 @@ def _decode_asm(words_ref, scales_ref):
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_TILE_N, _CHUNK)), dtype=object)
         for j in range(4):
             word = vector.extract(words, [], [j])
-            out = llvm.inline_asm(struct, [word, s0, s1], _asm_word(j), "=r,=r,=r,=r,r,r,r")
+            asm = _asm_word(j, scale_format)
+            out = llvm.inline_asm(struct, [word, s0, s1], asm, "=r,=r,=r,=r,r,r,r")
             for p in range(4):
                 cto, rh = p // 2, p % 2
                 bits = llvm.extractvalue(i32, out, [p])
@@ -259,7 +275,7 @@ def _decode_asm(words_ref, scales_ref):
     return decode(words_ref, scales_ref)
 
 
-def _decode_portable(words_ref, scales_ref):
+def _decode_portable(words_ref, scales_ref, scale_format):
     """As ``_decode_asm`` in ``jnp`` (interpret mode): the same exact values."""
     w = words_ref[...].reshape(128, 4)
     s = scales_ref[...]  # [64]
@@ -273,17 +289,26 @@ def _decode_portable(words_ref, scales_ref):
     # [t=(w, a, b), j, cto, rh, v] -> [w, rh, a, j, cto, b, v] = [row, col]
     x = jnp.stack(vals, axis=-1).reshape(4, 8, 4, 4, 2, 2, 2)
     x = x.transpose(0, 5, 1, 3, 4, 2, 6).reshape(_TILE_N, _CHUNK)
-    sb = jnp.stack([(s >> (8 * j)) & 0xFF for j in range(4)], axis=-1)  # [64, 4] E4M3 bytes
-    # E4M3 (bias 7) -> float32 worth scale * 2**(offset - 126): exponent + 120 + offset - 126
-    sf = lax.bitcast_convert_type(((sb & 0x7F) << 20) + ((_SCALE_OFFSET - 6) << 23), jnp.float32)
-    x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
+    sb = jnp.stack([(s >> (8 * j)) & 0xFF for j in range(4)], axis=-1)  # [64, 4] scale bytes
+    if scale_format == "e4m3":
+        # E4M3 (bias 7) -> float32 worth scale * 2**(c - 126): exponent + 120 + c - 126
+        sf = lax.bitcast_convert_type(
+            ((sb & 0x7F) << 20) + ((_SCALE_OFFSET - 6) << 23), jnp.float32
+        )
+        x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
+    else:
+        # exponent byte e -> 2**(e - 127) times the code's 2**-126 (as the GPU's bf16 pair carries
+        # it) in one float32 power of two, normal for e >= 127 (smaller bytes are more than 126
+        # binades below the tensor's largest scale: 0 here)
+        sf = lax.bitcast_convert_type(jnp.maximum(sb.astype(jnp.int32) - 126, 0) << 23, jnp.float32)
+        x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
     return x.reshape(_TILE_N, _CHUNK).astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
-def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad):
+def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad, scale_format):
     """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] f32 (gmem) =
     W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64).
 
@@ -296,7 +321,9 @@ def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad):
     nwg = cfg.warpgroups
     wg = lax.axis_index("wg") if nwg > 1 else 0
     chunks = cfg.block_k // _CHUNK
-    decode = _decode_asm if cfg.decode == "asm" else _decode_portable
+    decode = functools.partial(
+        _decode_asm if cfg.decode == "asm" else _decode_portable, scale_format=scale_format
+    )
 
     def issue(step, slot):
         kc = k0 + step * chunks
@@ -351,7 +378,7 @@ def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, **scratch):
+def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt, **scratch):
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")
     rows = cfg.warpgroups * _TILE_N
@@ -365,11 +392,23 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, **scratch
         steps=steps,
         k0=sk * steps * (cfg.block_k // _CHUNK),
         mpad=mpad,
+        scale_format=fmt,
     )
 
 
 def _grouped_kernel(
-    expert_gmem, row_gmem, valid_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, **scratch
+    expert_gmem,
+    row_gmem,
+    valid_gmem,
+    x_gmem,
+    w_gmem,
+    s_gmem,
+    o_gmem,
+    *,
+    cfg,
+    steps,
+    fmt,
+    **scratch,
 ):
     b = lax.axis_index("b")
     tn = lax.axis_index("n")
@@ -388,6 +427,7 @@ def _grouped_kernel(
             steps=steps,
             k0=0,
             mpad=cfg.block_m,
+            scale_format=fmt,
         )
 
 
@@ -446,7 +486,7 @@ def fp4_matmul_mgpu(
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
-        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad),
+        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
         scratch_types=_scratch(cfg, cfg.stages, mpad),
         grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
@@ -527,7 +567,7 @@ def fp4_grouped_matmul_mgpu(
     be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, bm), (0, 0)))  # every block's window fits
     kernel = plgpu.kernel(
-        functools.partial(_grouped_kernel, cfg=cfg, steps=steps),
+        functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((be.shape[0], n, bm), jnp.float32),
         scratch_types=_scratch(cfg, cfg.stages, bm),
         grid=(be.shape[0], n // _TILE_N),

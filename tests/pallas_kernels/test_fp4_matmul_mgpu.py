@@ -2,6 +2,8 @@
 on the CPU (pipeline, prepacked layout and decode arithmetic), and the compiled kernel with the
 PTX decode on a GPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,32 @@ def test_matches_reference(m, k, n, cfg):
     _assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_mxfp4_matches_reference(grouped):
+    # E8M0 scales (32-element blocks) with the tensor's exponent offset folded into the bytes,
+    # a NaN scale poisoning its output column
+    k, n = 256, 128
+    if grouped:
+        w = jax.random.normal(jax.random.key(7), (3, k, n), jnp.float32) * 0.05
+        qt = fp4.quantize(w, "mxfp4", axis=1)
+        x, gs = _x(13, k, seed=8), jnp.asarray([6, 0, 7], jnp.int32)
+        y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, interpret=True)
+        _assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
+        return
+    w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32) * 0.05
+    qt = fp4.quantize(w, "mxfp4", axis=0)
+    x = _x(5, k, seed=8)
+    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    eye = jnp.eye(k, dtype=jnp.bfloat16)
+    y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), interpret=True)
+    expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), expected)
+    nan_qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
+    y = np.asarray(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(nan_qt), interpret=True), np.float32)
+    assert np.all(np.isnan(y[:, 5])) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
+
+
 def test_per_row_global_scale():
     k, n = 128, 64
     qt = _weights(k, n, seed=3, global_scale="row")
@@ -98,8 +126,6 @@ def test_bad_inputs():
     w = fmm.prepack_mgpu(qt)
     with pytest.raises(ValueError, match="x must be"):
         fmm.fp4_matmul_mgpu(_x(2, 64, 0), w, interpret=True)
-    with pytest.raises(ValueError, match="NVFP4 weights only"):
-        fmm.prepack_mgpu(fp4.quantize(jnp.ones((128, 64)), "mxfp4", axis=0))
     with pytest.raises(ValueError, match="multiples of 64"):
         fmm.prepack_mgpu(_weights(128, 96, seed=7))
     with pytest.raises(ValueError, match="block_k"):
@@ -112,10 +138,12 @@ def test_bad_inputs():
 
 
 @pytest.mark.gpu
-def test_gpu_identity_rows_exact():
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_identity_rows_exact(fmt):
     # the PTX decode (bf16 subnormal for the 0.5 code) must agree bit for bit with dequantize
     k, n = 256, 128
-    qt = _weights(k, n, seed=9)
+    w = jax.random.normal(jax.random.key(9), (k, n), jnp.float32) * 0.05
+    qt = fp4.quantize(w, fmt, axis=0)
     y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt))
     np.testing.assert_array_equal(
         np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
@@ -216,3 +244,12 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     _assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     _assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336)])
+def test_gpu_mxfp4_benchmark_shapes(k, n):
+    w = jax.random.normal(jax.random.key(k), (k, n), jnp.float32) * 0.02
+    qt = fp4.quantize(w, "mxfp4", axis=0)
+    x = _x(16, k, seed=3)
+    _assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
