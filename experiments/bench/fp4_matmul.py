@@ -680,10 +680,10 @@ MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups); None: the shape's d
 )
 
 
-def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
-    """NVFP4 on the tensor cores (``fp4_matmul_mgpu``, Mosaic GPU): identity rows bit for bit
+def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4"):
+    """FP4 on the tensor cores (``fp4_matmul_mgpu``, Mosaic GPU): identity rows bit for bit
     first, then each dense shape and M against ``fp4_matmul``'s default and the best BF16 path."""
-    qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, "nvfp4", axis=0)
+    qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, fmt, axis=0)
     eye = jnp.eye(256, dtype=jnp.bfloat16)
     y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), fmm.MgpuMatmulConfig(block_k=128))
     exact = bool(
@@ -693,7 +693,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
     print(f"mgpu identity rows bit-exact: {exact}", flush=True)
     rows = []
     for k, n in DENSE_SHAPES:
-        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        case = make_dense(k, n, fmt, SETS, seed=1)
         mw = [jax.block_until_ready(fmm.prepack_mgpu(p.qtensor)) for p in case.packed]
         mcase = dataclasses.replace(case, packed=mw)
         for m in ms:
@@ -703,7 +703,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
                 ("Triton kernel, default_config", fm.default_config(m, k, n)),
             ):
                 t = run_fp4(case, m, log, seed=9, config=c, label=name)
-                rows.append((f"nvfp4 {name}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4")))
+                rows.append((f"{fmt} {name}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
             xs = [make_x(m, k, 9 + i) for i in range(SETS)]
             ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
             for v in variants:
@@ -722,7 +722,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64)):
                 label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]} wg={v[3]}"
                 print(f"  mgpu k={k} m={m} {label}: {t * 1e6:.1f} us x{tb / t:.2f}", flush=True)
                 log.append(dict(mgpu=label, k=k, m=m, us=t * 1e6, bf16_us=tb * 1e6))
-                rows.append((f"nvfp4 mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4")))
+                rows.append((f"{fmt} mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
         del case, mcase, mw
     print_table(rows)
     return rows
@@ -777,6 +777,7 @@ def main(argv=None):
     ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--ms", default="1,16,64", help="--mgpu: the token counts M")
+    ap.add_argument("--fmt", default="nvfp4", help="--mgpu: nvfp4 or mxfp4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -810,7 +811,7 @@ def main(argv=None):
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
         ms = tuple(int(v) for v in args.ms.split(","))
-        mgpu(log, (None,) if args.quick else MGPU_VARIANTS, ms)
+        mgpu(log, (None,) if args.quick else MGPU_VARIANTS, ms, args.fmt)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
