@@ -804,9 +804,9 @@ def main(argv=None):
     elif args.tune:
         table(log, tune(log))
     elif args.grouped_mgpu:
+        variants = () if args.quick else ((256, 3, 16), (128, 4, 8))
         mcfgs = [None] + [
-            fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm)
-            for bk, st, bm in ((256, 3, 16), (128, 4, 8))
+            fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm) for bk, st, bm in variants
         ]
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
