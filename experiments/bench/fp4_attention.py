@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py            # the performance table
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --sweep    # tiling sweep per format
+    PYTHONPATH=. python3 experiments/bench/fp4_attention.py --sweep --formats nvfp4 \
+        --shapes 32x8192,64x2048 --grid '[{}, {"block_k": 32, "num_stages": 2}]'  # variants
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --diagnose # decode variants, nvfp4
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --smoke    # tiny shapes, CPU interpret
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --append   # kv_append alone

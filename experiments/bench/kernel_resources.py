@@ -26,6 +26,8 @@ CASES = {
     "nvfp4 64x8 w4 s3": ("nvfp4", 64, 8, 4, 3),
     "nvfp4 128x4 w4 s2": ("nvfp4", 128, 4, 4, 2),
     "mxfp4 64x8 w4 s2": ("mxfp4", 64, 8, 4, 2),
+    "nvfp4 16x8 w1 s3 (default)": ("nvfp4", 16, 8, 1, 3),
+    "mxfp4 32x8 w1 s2 (default)": ("mxfp4", 32, 8, 1, 2),
 }
 METRICS = (
     "Registers Per Thread",
