@@ -2,6 +2,8 @@
 # Both create the virtual environment on first use; nothing else needs installing.
 SHELL := /bin/bash
 .ONESHELL:
+# A recipe's lines run as one script: stop it at the first failing command.
+.SHELLFLAGS := -ec
 
 find_python = $(shell for p in $(1) $$HOME/.pyenv/versions/$(2)*/bin/$(1) /usr/local/bin/$(1) /usr/bin/$(1); do \
 	if $$p --version >/dev/null 2>&1; then echo $$p; break; fi; done)
@@ -43,11 +45,19 @@ lint: $(VENV)/.installed
 JAX_CACHE := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.pytest_cache/jax-cache \
 	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
+# Whole modules go to whichever worker is free (--dist loadscope), in collection order, where
+# tests/conftest.py puts the modules with slow tests first: the run ends on short modules on both
+# workers, and a module's fixtures and compiled programs stay in one worker (plain `load` sends
+# chunks of consecutive tests, and a late chunk of slow ones can leave a worker idle for minutes).
 pytest: $(VENV)/.installed $(REF_VENV)/.installed
 	$(JAX_CACHE) TRACE_REF_PYTHON=$(REF_VENV)/bin/python $(VENV)/bin/pytest -q -n 2 \
-		--durations=25 tests notebooks --nbmake
+		--dist loadscope --no-loadscope-reorder --durations=25 tests notebooks --nbmake
 
-test: lint pytest
+# pip installs on one core: the two environments are built side by side (lint runs as soon as
+# .venv is ready, while .venv-ref may still be installing).
+test:
+	$(MAKE) -j2 --output-sync=target lint ref-env
+	$(MAKE) pytest
 
 clean:
 	rm -rf $(VENV) $(REF_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,6 +1,6 @@
-"""Suite-wide settings: GPU-marked tests skip (reported) without a GPU; the hypothesis profile;
-a persistent compilation cache, so that programs compiled again (a resumed run, a second engine
-of the same shapes) are loaded instead."""
+"""Suite-wide settings: GPU-marked tests skip (reported) without a GPU; modules with slow tests
+are collected first; the hypothesis profile; a persistent compilation cache, so that programs
+compiled again (a resumed run, a second engine of the same shapes) are loaded instead."""
 
 import os
 from pathlib import Path
@@ -33,6 +33,14 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # `make test` hands whole modules to the xdist workers (--dist loadscope, in collection
+    # order): modules with slow tests go first, so that the run ends on short modules on both
+    # workers instead of one worker finishing a long module alone.
+    for item in items:
+        if item.path.suffix == ".ipynb":  # a notebook runs whole, in its own kernel
+            item.add_marker(pytest.mark.slow)
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order is otherwise kept
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to JAX)")

@@ -3,7 +3,10 @@
 import re
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_readme_python_example_runs(capsys):
     text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 
 from experiments.__main__ import main
@@ -52,6 +53,7 @@ def test_every_config_file_resolves():
             assert io.max_len(cfg.max_new_tokens, cfg.max_turns) > cfg.max_new_tokens
 
 
+@pytest.mark.slow
 def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = ["batch=4", "max_new_tokens=12", "modes=[none,all]", "model_overrides={num_layers: 2}"]
@@ -67,6 +69,7 @@ def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys)
     assert "logp_abs" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_scripts_print_their_tables(capsys):
     from experiments.bench import guidance_size, rollout_cpu
 
@@ -92,6 +95,7 @@ SMALL_RL = [
 ]
 
 
+@pytest.mark.slow
 def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys):
     runs = []
     for config, extra in [

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from jax.sharding import PartitionSpec
 
 from trace_jax.model.sharding import logical_to_spec
@@ -18,6 +19,7 @@ def test_logical_axes_map_to_mesh_axes():
     assert logical_to_spec(None) == PartitionSpec()
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_single_device():
     env = dict(
         os.environ,

@@ -50,6 +50,7 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
     cfg = small()
     loop.RLRun(cfg, tmp_path / "a", log=lambda *_: None).run()

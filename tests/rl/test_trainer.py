@@ -42,6 +42,7 @@ def target_mass(trainer, params, prompt):
     return float(jax.nn.softmax(logits)[TARGETS].sum())
 
 
+@pytest.mark.slow
 def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit():
     model = Transformer(CFG, nnx.Rngs(0))
     engine = RolloutEngine(
@@ -64,6 +65,7 @@ def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit():
     assert int(state.step) == 12
 
 
+@pytest.mark.slow
 def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
     model = Transformer(CFG, nnx.Rngs(1))
     engine = RolloutEngine(
@@ -125,6 +127,7 @@ def test_warm_start_lowers_the_supervised_loss_without_guidance():
     assert losses[-1] < losses[0] / 2, losses
 
 
+@pytest.mark.slow
 def test_two_device_sharded_rl_step_equals_one_device_and_the_loop_runs_sharded():
     env = dict(
         os.environ,

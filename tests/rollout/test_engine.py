@@ -17,6 +17,9 @@ from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
 CFG = ModelConfig.preset("tiny")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+# One engine shape for the tests that need no other: engines of equal configs share compiled
+# programs (through the persistent compilation cache), and compiling dominates these tests.
+SHAPE = dict(max_len=24, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +34,7 @@ def full_forward(model, state, policy, **kw):
 
 @pytest.mark.parametrize("kv, tol", [("bf16", 2e-3), ("fp8", 2e-2)])
 def test_bf16_and_fp8_cache_decode_matches_a_full_forward(model, kv, tol):
-    eng = RolloutEngine(
-        model, QuantPolicy.bf16(), RolloutConfig(max_len=24, max_new_tokens=8, kv_cache=kv)
-    )
+    eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE, kv_cache=kv))
     state = eng.generate(PROMPTS, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(state.lengths), [len(p) + 8 for p in PROMPTS])
     np.testing.assert_array_equal(np.asarray(state.generated.sum(1)), [8, 8, 8])
@@ -51,7 +52,7 @@ def test_bf16_and_fp8_cache_decode_matches_a_full_forward(model, kv, tol):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_cache_decode_matches_a_forward_with_the_same_kv_fake_quant(model, fmt):
     policy = QuantPolicy(fmt=fmt, kv="rtn")
-    eng = RolloutEngine(model, policy, RolloutConfig(max_len=24, max_new_tokens=8, kv_cache=fmt))
+    eng = RolloutEngine(model, policy, RolloutConfig(**SHAPE, kv_cache=fmt))
     state = eng.generate(PROMPTS, jax.random.key(1))
     out, _ = full_forward(model, state, policy)
     logp = token_logprobs(out.logits, state.tokens)
@@ -70,7 +71,7 @@ def test_fp4_cache_requires_matching_kv_sites(model):
 
 
 def test_generation_is_deterministic_given_the_key_and_greedy_is_argmax(model):
-    cfg = RolloutConfig(max_len=20, max_new_tokens=6)
+    cfg = RolloutConfig(**SHAPE)
     eng = RolloutEngine(model, QuantPolicy.bf16(), cfg)
     a = eng.generate(PROMPTS, jax.random.key(3))
     b = eng.generate(PROMPTS, jax.random.key(3))
@@ -80,7 +81,7 @@ def test_generation_is_deterministic_given_the_key_and_greedy_is_argmax(model):
     greedy = RolloutEngine(
         model,
         QuantPolicy.bf16(),
-        RolloutConfig(max_len=20, max_new_tokens=6, sampling=SamplingConfig(temperature=0.0)),
+        dataclasses.replace(cfg, sampling=SamplingConfig(temperature=0.0)),
     )
     g = greedy.generate(PROMPTS, jax.random.key(0))
     out, _ = full_forward(model, g, QuantPolicy.bf16())
@@ -110,14 +111,15 @@ def test_stop_tokens_end_each_sequence_separately(model):
 
 
 def test_overflowing_max_len_is_refused(model):
-    eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(max_len=8, max_new_tokens=2))
-    with pytest.raises(ValueError, match=r"prompt lengths must be in 1\.\.7"):
-        eng.generate([[1] * 8], jax.random.key(0))
-    state = eng.generate([[1, 2, 3]], jax.random.key(0))
-    with pytest.raises(ValueError, match="overflows max_len=8"):
-        eng.append(state, jnp.ones((1, 4), jnp.int32))
+    eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE))
+    with pytest.raises(ValueError, match=r"prompt lengths must be in 1\.\.23"):
+        eng.generate([[1] * 24], jax.random.key(0))
+    state = eng.generate(PROMPTS, jax.random.key(0))  # lengths 11, 15, 9
+    with pytest.raises(ValueError, match=r"overflows max_len=24 for sequences \[1\]"):
+        eng.append(state, jnp.ones((3, 10), jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_multi_turn_keeps_cache_and_records_aligned(model, fmt):
     policy = QuantPolicy.rollout(fmt)
@@ -164,6 +166,7 @@ def trace_rollout():
     return model, eng.generate(prompts, jax.random.key(8))
 
 
+@pytest.mark.slow
 def test_trace_end_to_end_codes_agree_except_beyond_one_code_step_and_mismatch_shrinks(
     trace_rollout,
 ):

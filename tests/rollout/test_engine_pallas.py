@@ -115,6 +115,7 @@ def test_expert_weights_are_prepacked_once(engines, models, monkeypatch):
         assert isinstance(p.get_value(), jax.Array)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_pallas_matches_xla_with_exact_weights(engines, models, sampling):
     for seed in range(1):
@@ -161,6 +162,7 @@ def test_training_forward_is_unaffected(engines, models):
     np.testing.assert_array_equal(np.asarray(forward(after_state)), np.asarray(before))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv, tol", [("bf16", 3e-3), ("nvfp4", 2.5e-2)])
 def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeypatch):
     """backend="pallas" with the decode-attention (fused K/V append) and MoE kernels: every
