@@ -221,9 +221,9 @@ def test_grouped_identity_rows_exact():
 
 def test_grouped_prepack_and_bad_inputs():
     qt = _experts(4, 128, 64, seed=5)
-    w = gm.prepack_grouped(qt)
+    w = gm.prepack_grouped(qt, mgpu=True)
     assert w.mgpu is not None and w.mgpu.shape == (4, 128, 64)
-    assert gm.prepack_grouped(qt, mgpu=False).mgpu is None
+    assert gm.prepack_grouped(qt).mgpu is None  # opt-in
     with pytest.raises(ValueError, match="do not match"):
         fmm.fp4_grouped_matmul_mgpu(_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="block_m"):
@@ -240,7 +240,7 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     picks = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)])
     gs = jnp.asarray(np.bincount(picks.ravel(), minlength=e), jnp.int32)
     x = _x(tokens * top, k, seed=k)
-    w = gm.prepack_grouped(qt)
+    w = gm.prepack_grouped(qt, mgpu=True)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     _assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     _assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
