@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import assert_close
 
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels.fp4_matmul import Fp4MatmulConfig
@@ -22,15 +23,6 @@ def _case(sizes, k, n, fmt, seed, extra_rows=0):
     return x, fp4.quantize(w, fmt, axis=1), sizes
 
 
-def _assert_close(y, ref):
-    y = np.asarray(y, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert y.shape == ref.shape
-    assert np.all(np.isfinite(y))
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 4e-3
-    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(
     "sizes",
@@ -43,14 +35,14 @@ def _assert_close(y, ref):
 def test_matches_ragged_dot(fmt, sizes):
     x, qt, gs = _case(sizes, 256, 128, fmt, seed=sum(sizes))
     y = gm.fp4_grouped_matmul(x, qt, gs, config=CFG, interpret=True)
-    _assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
+    assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
 
 
 def test_rows_past_the_groups_are_zero():
     x, qt, gs = _case([3, 4], 128, 64, "nvfp4", seed=3, extra_rows=5)
     y = np.asarray(gm.fp4_grouped_matmul(x, qt, gs, config=CFG, interpret=True), np.float32)
     assert np.all(y[7:] == 0)
-    _assert_close(y[:7], gm.fp4_grouped_matmul_reference(x, qt, gs)[:7])
+    assert_close(y[:7], gm.fp4_grouped_matmul_reference(x, qt, gs)[:7])
 
 
 def test_each_expert_uses_its_own_weights():
@@ -87,4 +79,4 @@ def test_gpu_benchmark_shapes(k, n, tokens):
     x = jax.random.normal(jax.random.key(tokens), (tokens * top_k, k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(k), (experts, k, n), jnp.float32) * 0.02
     qt = gm.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1))
-    _assert_close(gm.fp4_grouped_matmul(x, qt, gs), gm.fp4_grouped_matmul_reference(x, qt, gs))
+    assert_close(gm.fp4_grouped_matmul(x, qt, gs), gm.fp4_grouped_matmul_reference(x, qt, gs))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import assert_close, random_x
 
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_gemv as fmv
@@ -18,21 +19,6 @@ FORMATS = ("nvfp4", "mxfp4")
 def _weights(k, n, fmt, seed, scale=0.05):
     w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * scale
     return fp4.quantize(w, fmt, axis=0)
-
-
-def _x(m, k, seed):
-    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
-
-
-def _assert_close(y, ref):
-    """bf16-level agreement: the two differ only in fp32 summation order before rounding."""
-    y = np.asarray(y, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert y.shape == ref.shape
-    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
-    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    assert rel < 4e-3, rel
-    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -65,9 +51,9 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
 )
 def test_matches_reference(fmt, m, k, n, cfg):
     qt = _weights(k, n, fmt, seed=m + k)
-    x = _x(m, k, seed=m * 7 + n)
+    x = random_x(m, k, seed=m * 7 + n)
     y = fm.fp4_matmul(x, qt, config=cfg, interpret=True)
-    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.parametrize("mode", ["xla", "kernel"])
@@ -75,12 +61,12 @@ def test_matches_reference(fmt, m, k, n, cfg):
 def test_w4a4_matches_reference(fmt, mode):
     m, k, n = 7, 256, 64
     qt = _weights(k, n, fmt, seed=3)
-    x = _x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
+    x = random_x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
     x = x.at[2].multiply(50)
     cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
     y = fm.fp4_matmul_w4a4(x, qt, config=cfg, interpret=True, activation_dequant=mode)
     ref = fm.fp4_matmul_w4a4_reference(x, qt)
-    _assert_close(y, ref)
+    assert_close(y, ref)
     # and it is not the W4A16 result: the activation really was quantized
     w4a16 = np.asarray(fm.fp4_matmul_reference(x, qt), np.float32)
     assert np.linalg.norm(np.asarray(y, np.float32) - w4a16) / np.linalg.norm(w4a16) > 1e-2
@@ -90,10 +76,10 @@ def test_nan_block_scale_poisons_its_column_mxfp4():
     # an E8M0 NaN scale (0xFF) dequantizes its block to NaN: that output column must be NaN
     qt = _weights(128, 64, "mxfp4", seed=5)
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[9, 2].set(0xFF))
-    ref = np.asarray(fm.fp4_matmul_reference(_x(3, 128, 6), qt), np.float32)
+    ref = np.asarray(fm.fp4_matmul_reference(random_x(3, 128, 6), qt), np.float32)
     assert np.all(np.isnan(ref[:, 9]))
     cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
-    y = np.asarray(fm.fp4_matmul(_x(3, 128, 6), qt, config=cfg, interpret=True), np.float32)
+    y = np.asarray(fm.fp4_matmul(random_x(3, 128, 6), qt, config=cfg, interpret=True), np.float32)
     assert np.all(np.isnan(y[:, 9]))
     assert np.all(np.isfinite(np.delete(y, 9, axis=1)))
 
@@ -102,7 +88,7 @@ def test_nan_global_scale_poisons_everything_nvfp4():
     qt = _weights(128, 64, "nvfp4", seed=5)
     qt = dataclasses.replace(qt, global_scale=jnp.float32(jnp.nan))
     cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
-    y = fm.fp4_matmul(_x(2, 128, 1), qt, config=cfg, interpret=True)
+    y = fm.fp4_matmul(random_x(2, 128, 1), qt, config=cfg, interpret=True)
     assert np.all(np.isnan(np.asarray(y, np.float32)))
 
 
@@ -122,7 +108,7 @@ def test_config_validation():
     qt = _weights(256, 64, "nvfp4", seed=0)
     with pytest.raises(ValueError, match="multiple of block_k"):
         cfg = fm.Fp4MatmulConfig(block_n=64, block_k=512)
-        fm.fp4_matmul(_x(1, 256, 0), qt, config=cfg, interpret=True)
+        fm.fp4_matmul(random_x(1, 256, 0), qt, config=cfg, interpret=True)
 
 
 @pytest.mark.parametrize(
@@ -138,10 +124,10 @@ def test_default_config_tiles_the_shape(m, k, n):
 
 def test_dispatcher_xla_path_and_leading_axes():
     qt = _weights(256, 64, "nvfp4", seed=2)
-    x = _x(6, 256, 3).reshape(2, 3, 256)
+    x = random_x(6, 256, 3).reshape(2, 3, 256)
     y = fm.fp4_linear(x, qt, backend="auto")  # no GPU here: the XLA path
     assert y.shape == (2, 3, 64)
-    _assert_close(y.reshape(6, 64), fm.fp4_matmul_reference(x.reshape(6, 256), qt))
+    assert_close(y.reshape(6, 64), fm.fp4_matmul_reference(x.reshape(6, 256), qt))
     with pytest.raises(ValueError, match="backend"):
         fm.fp4_linear(x, qt, backend="cuda")
 
@@ -191,9 +177,9 @@ def test_gemv_matches_reference(fmt, cfg, layout_n):
     assert (w.gemv_words is not None) == (fmt == "nvfp4")  # MXFP4 keeps the GEMV form
     if cfg is not None:
         w = fmv.with_gemv_layout(w, cfg.block_k, layout_n)
-    x = _x(1, k, seed=13)
+    x = random_x(1, k, seed=13)
     y = fm.fp4_matmul(x, w, config=cfg, interpret=True)
-    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
 def test_gemv_nan_propagates():
@@ -201,7 +187,7 @@ def test_gemv_nan_propagates():
     qt = _weights(512, 32, "mxfp4", seed=14)
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
     w = fmv.with_gemv_layout(fm.prepack(qt), block_n=32)  # prepack packs NVFP4 only
-    x = _x(1, 512, seed=15)
+    x = random_x(1, 512, seed=15)
     y = np.asarray(fm.fp4_matmul(x, w, interpret=True), np.float32)
     assert np.isnan(y[0, 5]) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
     y = np.asarray(fm.fp4_matmul(x.at[0, 77].set(jnp.nan), w, interpret=True), np.float32)
@@ -211,10 +197,10 @@ def test_gemv_nan_propagates():
 def test_gemv_layout_mismatch_and_config_rejected():
     w = fm.prepack(_weights(512, 32, "nvfp4", seed=16))
     with pytest.raises(ValueError, match="packed with block_k"):
-        fm.fp4_matmul(_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
+        fm.fp4_matmul(random_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
     with pytest.raises(ValueError, match="packed with block_n"):
         cfg = fmv.Fp4GemvConfig(block_n=w.gemv_block_n * 2)
-        fm.fp4_matmul(_x(1, 512, 0), w, config=cfg, interpret=True)
+        fm.fp4_matmul(random_x(1, 512, 0), w, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         fmv.Fp4GemvConfig(block_n=24)
     assert fm.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
@@ -229,8 +215,8 @@ def test_gemv_layout_mismatch_and_config_rejected():
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_benchmark_shapes(fmt, k, n, m):
     qt = fm.prepack(_weights(k, n, fmt, seed=k + m, scale=0.02))
-    x = _x(m, k, seed=m)
-    _assert_close(fm.fp4_matmul(x, qt), fm.fp4_matmul_reference(x, qt))
+    x = random_x(m, k, seed=m)
+    assert_close(fm.fp4_matmul(x, qt), fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -239,9 +225,9 @@ def test_gpu_benchmark_shapes(fmt, k, n, m):
 def test_gpu_w4a4(mode, m):
     k, n = 4096, 14336
     qt = fm.prepack(_weights(k, n, "nvfp4", seed=m, scale=0.02))
-    x = _x(m, k, seed=m + 1)
+    x = random_x(m, k, seed=m + 1)
     y = fm.fp4_matmul_w4a4(x, qt, activation_dequant=mode)
-    _assert_close(y, fm.fp4_matmul_w4a4_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_w4a4_reference(x, qt))
 
 
 @pytest.mark.gpu

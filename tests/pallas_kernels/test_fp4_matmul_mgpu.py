@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import assert_close, random_x
 
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
@@ -18,21 +19,6 @@ from trace_jax import fp4
 def _weights(k, n, seed, scale=0.05, global_scale="tensor"):
     w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * scale
     return fp4.quantize(w, "nvfp4", axis=0, global_scale=global_scale)
-
-
-def _x(m, k, seed):
-    return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
-
-
-def _assert_close(y, ref):
-    """bf16-level agreement: the two differ only in fp32 summation order before rounding."""
-    y = np.asarray(y, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert y.shape == ref.shape
-    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
-    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    assert rel < 4e-3, rel
-    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
 
 
 def test_identity_rows_recover_dequantize_exactly():
@@ -62,10 +48,10 @@ def test_identity_rows_recover_dequantize_exactly():
 )
 def test_matches_reference(m, k, n, cfg):
     qt = _weights(k, n, seed=m + k)
-    x = _x(m, k, seed=n)
+    x = random_x(m, k, seed=n)
     y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.bfloat16
-    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -76,15 +62,15 @@ def test_mxfp4_matches_reference(grouped):
     if grouped:
         w = jax.random.normal(jax.random.key(7), (3, k, n), jnp.float32) * 0.05
         qt = fp4.quantize(w, "mxfp4", axis=1)
-        x, gs = _x(13, k, seed=8), jnp.asarray([6, 0, 7], jnp.int32)
+        x, gs = random_x(13, k, seed=8), jnp.asarray([6, 0, 7], jnp.int32)
         y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, interpret=True)
-        _assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
+        assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
         return
     w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32) * 0.05
     qt = fp4.quantize(w, "mxfp4", axis=0)
-    x = _x(5, k, seed=8)
+    x = random_x(5, k, seed=8)
     y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
-    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
     eye = jnp.eye(k, dtype=jnp.bfloat16)
     y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), interpret=True)
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
@@ -97,9 +83,9 @@ def test_mxfp4_matches_reference(grouped):
 def test_per_row_global_scale():
     k, n = 128, 64
     qt = _weights(k, n, seed=3, global_scale="row")
-    x = _x(3, k, seed=4)
+    x = random_x(3, k, seed=4)
     y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
-    _assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
 def test_prepack_layout_is_the_operand_layout():
@@ -125,13 +111,15 @@ def test_bad_inputs():
     qt = _weights(128, 64, seed=6)
     w = fmm.prepack_mgpu(qt)
     with pytest.raises(ValueError, match="x must be"):
-        fmm.fp4_matmul_mgpu(_x(2, 64, 0), w, interpret=True)
+        fmm.fp4_matmul_mgpu(random_x(2, 64, 0), w, interpret=True)
     with pytest.raises(ValueError, match="multiples of 64"):
         fmm.prepack_mgpu(_weights(128, 96, seed=7))
     with pytest.raises(ValueError, match="block_k"):
         fmm.MgpuMatmulConfig(block_k=96)
     with pytest.raises(ValueError, match="not a multiple"):
-        fmm.fp4_matmul_mgpu(_x(2, 128, 0), w, fmm.MgpuMatmulConfig(block_k=256), interpret=True)
+        fmm.fp4_matmul_mgpu(
+            random_x(2, 128, 0), w, fmm.MgpuMatmulConfig(block_k=256), interpret=True
+        )
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -155,10 +143,10 @@ def test_gpu_identity_rows_exact(fmt):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_benchmark_shapes(k, n, m):
     qt = _weights(k, n, seed=k + m, scale=0.02)
-    x = _x(m, k, seed=m)
-    _assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    x = random_x(m, k, seed=m)
+    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
     # the dispatcher's route for a prepacked weight (default config, the same kernel)
-    _assert_close(fm.fp4_matmul(x, fm.prepack(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, fm.prepack(qt)), fm.fp4_matmul_reference(x, qt))
 
 
 def test_fp4_matmul_dispatch():
@@ -168,9 +156,9 @@ def test_fp4_matmul_dispatch():
     qt = _weights(k, n, seed=10)
     w = fm.prepack(qt)
     assert w.mgpu is not None and w.gemv_words is None
-    x = _x(4, k, seed=11)
+    x = random_x(4, k, seed=11)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
-    _assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
     assert fm.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is None
     assert fm.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
     with pytest.raises(ValueError, match="needs prepack"):
@@ -197,13 +185,13 @@ def _experts(e, k, n, seed, scale=0.05):
 def test_grouped_matches_reference(sizes, t, cfg):
     e, k, n = len(sizes), 256, 128
     qt = _experts(e, k, n, seed=t)
-    x = _x(t, k, seed=t + 1)
+    x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
     y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, cfg, interpret=True)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     total = sum(sizes)
     assert y.shape == (t, n) and np.all(np.asarray(y, np.float32)[total:] == 0)
-    _assert_close(y[:total], ref[:total])
+    assert_close(y[:total], ref[:total])
 
 
 def test_grouped_identity_rows_exact():
@@ -225,7 +213,7 @@ def test_grouped_prepack_and_bad_inputs():
     assert w.mgpu is not None and w.mgpu.shape == (4, 128, 64)
     assert gm.prepack_grouped(qt).mgpu is None  # opt-in
     with pytest.raises(ValueError, match="do not match"):
-        fmm.fp4_grouped_matmul_mgpu(_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
+        fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="block_m"):
         fmm.MgpuMatmulConfig(block_m=12)
 
@@ -239,11 +227,11 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     rng = np.random.default_rng(tokens)
     picks = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)])
     gs = jnp.asarray(np.bincount(picks.ravel(), minlength=e), jnp.int32)
-    x = _x(tokens * top, k, seed=k)
+    x = random_x(tokens * top, k, seed=k)
     w = gm.prepack_grouped(qt, mgpu=True)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
-    _assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
-    _assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
+    assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
+    assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
 
 
 @pytest.mark.gpu
@@ -251,5 +239,5 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
 def test_gpu_mxfp4_benchmark_shapes(k, n):
     w = jax.random.normal(jax.random.key(k), (k, n), jnp.float32) * 0.02
     qt = fp4.quantize(w, "mxfp4", axis=0)
-    x = _x(16, k, seed=3)
-    _assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    x = random_x(16, k, seed=3)
+    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
