@@ -1,24 +1,28 @@
-"""NVFP4 weight matmul on Hopper tensor cores (Mosaic GPU): ``y = x @ dequantize(W)``.
+"""FP4 weight matmul on Hopper tensor cores (Mosaic GPU): ``y = x @ dequantize(W)``, dense
+(``fp4_matmul_mgpu``) and grouped by expert (``fp4_grouped_matmul_mgpu``), NVFP4 and MXFP4.
 
 The program computes ``y^T[n-tile] = W^T[n-tile, :] @ x^T`` with ``wgmma``: 64 weight rows are
 the matrix unit's register operand, decoded from FP4 straight into the operand's register layout
 (no shared-memory round trip of the decoded tile), and the few tokens (padded to a multiple of 8)
 are its shared-memory operand, read transposed from the ``[M, K]`` activation tile.
 
-Each program (one warpgroup) owns 64 rows of N and a contiguous range of K. Its K loop streams
-``stages`` buffers of (code words, block scales, activation tile) with TMA copies, each buffer
-signalled by its own barrier; a buffer is refilled as soon as the matrix unit has consumed it.
-Several programs share a multiprocessor, so one program's wait overlaps another's decode.
+Each program (one or more warpgroups, 64 rows of N each) owns a contiguous range of K. Its K
+loop streams ``stages`` buffers of (code words, block scales, activation tile) with TMA copies,
+each buffer signalled by its own barrier; a buffer is refilled as soon as the matrix unit has
+consumed it. Several programs share a multiprocessor, so one program's wait overlaps another's
+decode.
 
 Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
 gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
-``(16 w + 8 rh + a, 16 j + 8 cto + 2 b + {0, 1})`` for ``j < 4`` (the 16-element NVFP4 block),
+``(16 w + 8 rh + a, 16 j + 8 cto + 2 b + {0, 1})`` for ``j < 4`` (a 16-element block),
 ``cto, rh < 2``. The thread's 32 codes are stored as 4 contiguous 32-bit words, word ``j`` holding
 block ``j``'s 4 pairs with the bits placed so that each pair becomes a bf16 pair worth
 ``code * 2**-126`` with one to four integer operations (``_SLOTS``). The block scales of a
-64 x 64 tile are 64 words, one per row, byte ``j`` = block ``j`` (E4M3 bits). The decoded pair
-is multiplied by ``scale * 2**100`` as a bf16 pair (exact; bf16 arithmetic keeps the subnormal
-0.5 code), and ``global_scale * 2**26`` multiplies the fp32 result.
+64 x 64 tile are 64 words, one per row, byte ``j`` = block ``j``'s scale (E4M3 bits; for MXFP4
+the E8M0 exponent plus the tensor's offset, repeated for both halves of a 32-element block). The
+decoded pair is multiplied by the scale times a power of two as a bf16 pair (exact; bf16
+arithmetic keeps the subnormal 0.5 code), and the global scale times the inverse power of two
+multiplies the fp32 result.
 
 ``decode="asm"`` runs the decode as PTX inside ``plgpu.inline_mgpu`` (GPU only);
 ``decode="portable"`` is the same arithmetic in ``jnp`` on the loaded words, for interpret mode.
