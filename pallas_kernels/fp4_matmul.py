@@ -600,7 +600,7 @@ def fp4_matmul_w4a4(
     x: jax.Array | QTensor,
     w: QTensor | Fp4Weight,
     *,
-    config: Fp4MatmulConfig | None = None,
+    config: Fp4MatmulConfig | fmm.MgpuMatmulConfig | None = None,
     interpret: bool = False,
     activation_dequant: Literal["xla", "kernel"] = "xla",
 ) -> jax.Array:
@@ -614,6 +614,9 @@ def fp4_matmul_w4a4(
         ``code * block_scale`` are formed once in XLA and the per-token scale multiplies the
         fp32 split-K sum before the one bf16 rounding; "kernel": every program decodes the
         activation's codes itself (x moves as 4.5 bits, but each N block repeats the decode).
+        With "xla", a compiled call with the tensor-core layout (``prepack``) and M <=
+        ``MGPU_MAX_ROWS``, or an ``MgpuMatmulConfig``, multiplies those values in
+        ``fp4_matmul_mgpu``.
     Returns:
       [M, N] bf16.
     """
@@ -623,6 +626,15 @@ def fp4_matmul_w4a4(
     if xq.fmt != fp4.NVFP4 or xq.axis != 1 or xq.shape[1] != k:
         raise ValueError(f"fp4_matmul_w4a4: activation must be NVFP4 [M, {k}] along axis 1")
     m = xq.shape[0]
+    auto = config is None and activation_dequant == "xla" and not interpret
+    if auto and w.mgpu is not None and m <= MGPU_MAX_ROWS:
+        config = fmm.default_config(m, k, n)
+    mgpu = isinstance(config, fmm.MgpuMatmulConfig)
+    if mgpu and (w.mgpu is None or activation_dequant != "xla"):
+        raise ValueError(
+            "fp4_matmul_w4a4: an MgpuMatmulConfig needs prepack(w, mgpu=True) and "
+            "activation_dequant='xla'"
+        )
     cfg = config or default_config(m, k, n)
     row_scale = jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
     if activation_dequant == "kernel":
@@ -638,6 +650,8 @@ def fp4_matmul_w4a4(
     )
     scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float32)[..., None]
     x_blocks = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
+    if mgpu:
+        return fmm.fp4_matmul_mgpu(x_blocks, w.mgpu, cfg, row_scale=row_scale, interpret=interpret)
     # The per-token scale multiplies the fp32 sum of the K-split partials, before the one bf16
     # rounding (split_k >= 2 keeps the kernel's output in fp32).
     split = max(cfg.split_k, 2)

@@ -463,9 +463,13 @@ def fp4_matmul_mgpu(
     w: MgpuWeight,
     cfg: MgpuMatmulConfig | None = None,
     *,
+    row_scale: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x @ dequantize(W)``: x [M, K] bf16, W prepacked NVFP4 [K, N] -> [M, N] bf16.
+    """``x @ dequantize(W)``: x [M, K] bf16, W prepacked FP4 [K, N] -> [M, N] bf16.
+
+    ``row_scale`` [M] float32 (W4A4: the activation's per-token global scale) multiplies each
+    row's fp32 sum before the one rounding to bf16.
 
     fp32 accumulation; M is padded to a multiple of 8 (the matrix unit's narrow side).
     """
@@ -500,6 +504,8 @@ def fp4_matmul_mgpu(
     )
     part = kernel(xp, w.words, w.scales)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
+    if row_scale is not None:
+        y = y * row_scale.astype(jnp.float32)[None, :]
     return y.T.astype(jnp.bfloat16)
 
 

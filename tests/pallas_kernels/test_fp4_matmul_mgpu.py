@@ -80,6 +80,19 @@ def test_mxfp4_matches_reference(grouped):
     assert np.all(np.isnan(y[:, 5])) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
 
 
+def test_w4a4_through_fp4_matmul_w4a4():
+    # the activation quantized (per-token global scale) and its exact bf16 block values fed to
+    # the tensor-core kernel; the per-token scale multiplies the fp32 sums
+    k, n = 256, 128
+    qt = _weights(k, n, seed=13)
+    x = random_x(6, k, seed=14) * jnp.asarray([[1.0], [30.0], [0.01], [1.0], [5.0], [0.2]])
+    cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
+    y = fm.fp4_matmul_w4a4(x.astype(jnp.bfloat16), fm.prepack(qt), config=cfg, interpret=True)
+    assert_close(y, fm.fp4_matmul_w4a4_reference(x.astype(jnp.bfloat16), qt))
+    with pytest.raises(ValueError, match="activation_dequant"):
+        fm.fp4_matmul_w4a4(x, fm.prepack(qt), config=cfg, activation_dequant="kernel")
+
+
 def test_per_row_global_scale():
     k, n = 128, 64
     qt = _weights(k, n, seed=3, global_scale="row")
