@@ -89,7 +89,7 @@ SMALL_RL = [
     "prompts_per_step=2",
     "group_size=2",
     "eval_every=2",
-    "eval_problems=2",
+    "eval_problems=4",  # a rollout batch: the greedy evaluation prefills with its program
     "tensorboard=false",
     "model_overrides={num_layers: 1, dtype: bfloat16}",
 ]

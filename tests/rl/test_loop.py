@@ -28,7 +28,7 @@ def small(**kw) -> loop.RLConfig:
         max_new_tokens=6,
         warm_start={"steps": 1, "batch": 4},
         eval_every=2,
-        eval_problems=2,
+        eval_problems=4,  # a rollout batch: the greedy evaluation prefills with its program
         checkpoint_every=2,
         guidance_host_bytes=0,  # every guidance record goes through a tensorstore spill
         staleness=1,
