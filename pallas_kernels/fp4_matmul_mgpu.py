@@ -66,7 +66,7 @@ Decode = Literal["asm", "portable"]
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """Tiling of the Mosaic GPU NVFP4 matmul.
+    """Tiling of the Mosaic GPU FP4 matmul kernels (dense and grouped).
 
     Attributes:
       block_k: K elements per pipeline stage (a multiple of 64).
@@ -473,6 +473,8 @@ def fp4_matmul_mgpu(
 
     fp32 accumulation; M is padded to a multiple of 8 (the matrix unit's narrow side).
     """
+    if len(w.shape) != 2:
+        raise ValueError(f"fp4_matmul_mgpu: a dense [K, N] weight, got {w.shape} (grouped?)")
     k, n = w.shape
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"fp4_matmul_mgpu: x must be [M, {k}], got {x.shape}")
@@ -559,6 +561,8 @@ def fp4_grouped_matmul_mgpu(
     blocks that share a 64-row window of x never race; the rows are gathered back in XLA.
     Blocks past the routing's last one exit at once, and experts without rows read no weights.
     """
+    if len(w.shape) != 3:
+        raise ValueError(f"fp4_grouped_matmul_mgpu: expert weights [E, K, N], got {w.shape}")
     e, k, n = w.shape
     t = x.shape[0]
     if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):

@@ -227,6 +227,10 @@ def test_grouped_prepack_and_bad_inputs():
     assert gm.prepack_grouped(qt).mgpu is None  # opt-in
     with pytest.raises(ValueError, match="do not match"):
         fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
+    with pytest.raises(ValueError, match="expert weights"):
+        fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), fmm.prepack_mgpu(_weights(128, 64, 1)), 0)
+    with pytest.raises(ValueError, match="dense"):
+        fmm.fp4_matmul_mgpu(random_x(4, 128, 0), w.mgpu)
     with pytest.raises(ValueError, match="block_m"):
         fmm.MgpuMatmulConfig(block_m=12)
 
