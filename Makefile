@@ -45,13 +45,13 @@ lint: $(VENV)/.installed
 JAX_CACHE := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.pytest_cache/jax-cache \
 	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
-# Whole modules go to whichever worker is free (--dist loadscope), in collection order, where
-# tests/conftest.py puts the modules with slow tests first: the run ends on short modules on both
-# workers, and a module's fixtures and compiled programs stay in one worker (plain `load` sends
-# chunks of consecutive tests, and a late chunk of slow ones can leave a worker idle for minutes).
+# Work stealing: each worker starts on half of the tests in collection order (where
+# tests/conftest.py puts the modules with slow tests first) and takes queued tests from the other
+# when it runs out, so both finish together (plain `load` sends chunks of consecutive tests, and a
+# late chunk of slow ones could leave one worker idle for minutes).
 pytest: $(VENV)/.installed $(REF_VENV)/.installed
 	$(JAX_CACHE) TRACE_REF_PYTHON=$(REF_VENV)/bin/python $(VENV)/bin/pytest -q -n 2 \
-		--dist loadscope --no-loadscope-reorder --durations=25 tests notebooks --nbmake
+		--dist worksteal --durations=25 tests notebooks --nbmake
 
 # pip installs on one core: the two environments are built side by side (lint runs as soon as
 # .venv is ready, while .venv-ref may still be installing).

@@ -33,9 +33,8 @@ def has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # `make test` hands whole modules to the xdist workers (--dist loadscope, in collection
-    # order): modules with slow tests go first, so that the run ends on short modules on both
-    # workers instead of one worker finishing a long module alone.
+    # Modules with slow tests first: under `make test` (--dist worksteal) a worker that runs out
+    # of tests takes the other's last queued ones, so the run should end on short tests.
     for item in items:
         if item.path.suffix == ".ipynb":  # a notebook runs whole, in its own kernel
             item.add_marker(pytest.mark.slow)
