@@ -57,8 +57,8 @@ def prepack_grouped(w: QTensor, *, mgpu: bool = False) -> Fp4Weight:
         )
     packed = _prepack_arrays(w)
     _, k, n = w.shape
-    if mgpu and w.fmt == fp4.NVFP4 and k % 64 == 0 and n % 64 == 0:
-        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w))
+    if mgpu and fmm.default_on(w.fmt, k, n):
+        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w, packed))
     return packed
 
 

@@ -232,8 +232,8 @@ def prepack(w: QTensor, *, mgpu: bool = True, gemv: bool | None = None) -> Fp4We
         )
     packed = _prepack_arrays(w)
     k, n = w.shape
-    if mgpu and w.fmt == fp4.NVFP4 and k % 64 == 0 and n % 64 == 0:
-        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w))
+    if mgpu and fmm.default_on(w.fmt, k, n):
+        packed = dataclasses.replace(packed, mgpu=fmm.prepack_mgpu(w, packed))
     if gemv is None:
         gemv = packed.mgpu is None
     if gemv and w.fmt.scale_format == "e4m3" and fmv.gemv_supported(k, n, w.fmt):
@@ -541,6 +541,13 @@ def _call(
     return out.astype(jnp.bfloat16)
 
 
+def _mgpu_default(w: Fp4Weight, m: int) -> fmm.MgpuMatmulConfig | None:
+    """The tensor-core kernel's default config where a compiled call takes it, else None."""
+    if w.mgpu is None or m > MGPU_MAX_ROWS:
+        return None
+    return fmm.default_config(m, *w.shape)
+
+
 def _as_weight(w: QTensor | Fp4Weight) -> Fp4Weight:
     # A bare QTensor is arranged per call: no second copy of the codes is worth making then.
     return w if isinstance(w, Fp4Weight) else prepack(w, mgpu=False, gemv=False)
@@ -574,8 +581,8 @@ def fp4_matmul(
     m = x.shape[0]
     if x.shape != (m, k):
         raise ValueError(f"fp4_matmul: x has shape {x.shape}, weight needs [M, {k}]")
-    if config is None and not interpret and w.mgpu is not None and m <= MGPU_MAX_ROWS:
-        config = fmm.default_config(m, k, n)
+    if config is None and not interpret:
+        config = _mgpu_default(w, m)
     if isinstance(config, fmm.MgpuMatmulConfig):
         if w.mgpu is None:
             raise ValueError("fp4_matmul: an MgpuMatmulConfig needs prepack(w, mgpu=True)")
@@ -626,9 +633,8 @@ def fp4_matmul_w4a4(
     if xq.fmt != fp4.NVFP4 or xq.axis != 1 or xq.shape[1] != k:
         raise ValueError(f"fp4_matmul_w4a4: activation must be NVFP4 [M, {k}] along axis 1")
     m = xq.shape[0]
-    auto = config is None and activation_dequant == "xla" and not interpret
-    if auto and w.mgpu is not None and m <= MGPU_MAX_ROWS:
-        config = fmm.default_config(m, k, n)
+    if config is None and activation_dequant == "xla" and not interpret:
+        config = _mgpu_default(w, m)
     mgpu = isinstance(config, fmm.MgpuMatmulConfig)
     if mgpu and (w.mgpu is None or activation_dequant != "xla"):
         raise ValueError(

@@ -176,10 +176,19 @@ def _pack(
     )
 
 
-def prepack_mgpu(w: QTensor) -> MgpuWeight:
+def default_on(fmt, k: int, n: int) -> bool:
+    """Whether ``prepack``/``prepack_grouped`` build this layout unless told otherwise: NVFP4
+    (the format measured on the H200) with K and N multiples of 64."""
+    return fmt.name == "nvfp4" and k % _CHUNK == 0 and n % _TILE_N == 0
+
+
+def prepack_mgpu(w: QTensor, base=None) -> MgpuWeight:
     """Arrange an NVFP4 or MXFP4 ``QTensor`` for the kernels: a dense weight of logical shape
-    [K, N] quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1)."""
-    from pallas_kernels.fp4_matmul import _prepack_arrays  # the offsets of every FP4 kernel
+    [K, N] quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1).
+
+    ``base``: ``fp4_matmul._prepack_arrays(w)`` when the caller has it already (its scale
+    bytes, offset and output scales, shared by every FP4 kernel)."""
+    from pallas_kernels.fp4_matmul import _prepack_arrays
 
     dense = len(w.shape) == 2 and w.axis == 0 and w.codes.ndim == 2
     grouped = len(w.shape) == 3 and w.axis == 1 and w.codes.ndim == 3
@@ -188,7 +197,7 @@ def prepack_mgpu(w: QTensor) -> MgpuWeight:
             f"prepack_mgpu: a [K, N] weight quantized along axis 0 or [E, K, N] along axis 1, "
             f"got shape {w.shape} axis {w.axis}"
         )
-    base = _prepack_arrays(w)
+    base = base if base is not None else _prepack_arrays(w)
     sb = base.scales  # [*E, N, K/block] uint8
     if w.fmt.scale_format == "e8m0":
         finite = jnp.where(sb == E8M0_NAN, 0, sb).astype(jnp.int32)
@@ -391,7 +400,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt, **sc
         w_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
         s_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
         o_gmem.at[sk, pl.ds(tn * rows, rows)],
-        _with_a_smem(scratch),
+        _scratch_refs(scratch),
         cfg=cfg,
         steps=steps,
         k0=sk * steps * (cfg.block_k // _CHUNK),
@@ -426,7 +435,7 @@ def _grouped_kernel(
             w_gmem.at[e, pl.ds(tn, 1)],
             s_gmem.at[e, pl.ds(tn, 1)],
             o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
-            _with_a_smem(scratch),
+            _scratch_refs(scratch),
             cfg=cfg,
             steps=steps,
             k0=0,
@@ -435,7 +444,7 @@ def _grouped_kernel(
         )
 
 
-def _with_a_smem(scratch: dict) -> tuple:
+def _scratch_refs(scratch: dict) -> tuple:
     names = ("x_smem", "w_smem", "s_smem", "o_smem", "bar")
     return (*(scratch[k] for k in names), scratch.get("consumed"), scratch.get("a_smem"))
 
