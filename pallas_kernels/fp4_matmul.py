@@ -21,7 +21,7 @@ Kernel layout (Pallas, Triton lowering):
 * ``split_k > 1`` splits the contraction over a second grid axis; partial fp32 sums are added
   in XLA.
 
-On a GPU, up to 64 rows with an NVFP4 ``prepack`` run ``fp4_matmul_mgpu`` instead (Mosaic GPU:
+On a GPU, up to 64 rows with a ``prepack`` (NVFP4 or MXFP4) run ``fp4_matmul_mgpu`` instead (Mosaic GPU:
 decoded straight into the tensor cores' register operand, TMA stages; the fastest FP4 path
 measured for 1-64 rows). A ``prepack`` without that layout runs one token through
 ``fp4_matmul_gemv`` (its own word layout, no matrix unit). ``fp4_matmul_reference`` is the
@@ -59,7 +59,7 @@ Dequant = Literal["asm", "portable"]
 # [2**-6, 448], and code * scale * 2**(100 - 126) stays a normal bf16 for every nonzero code.
 _NVFP4_SCALE_OFFSET = 100
 _MIN_ROWS = 16  # the matrix unit's narrow side: fewer rows are zero-padded
-MGPU_MAX_ROWS = 64  # rows up to which a prepacked NVFP4 weight runs the tensor-core kernel
+MGPU_MAX_ROWS = 64  # rows up to which a prepacked weight runs the tensor-core kernel
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -190,7 +190,7 @@ class Fp4Weight:
       gemv_block_k: the ``block_k`` granule ``gemv_words`` was packed with (0: none).
       gemv_block_n: the row tile of a row-tiled layout, 0 for rows in order.
       mgpu: the codes and scales again in the tensor-core kernel's operand layout
-        (``fp4_matmul_mgpu.prepack_mgpu``, NVFP4), or None; a second copy of the codes.
+        (``fp4_matmul_mgpu.prepack_mgpu``), or None; a second copy of the codes.
     """
 
     codes: jax.Array
@@ -216,14 +216,13 @@ class Fp4Weight:
 def prepack(w: QTensor, *, mgpu: bool = True, gemv: bool | None = None) -> Fp4Weight:
     """Arrange a weight ``QTensor`` [K, N] (quantized along K, axis 0) for ``fp4_matmul``.
 
-    ``mgpu``: for NVFP4 with K and N multiples of 64, also store the codes and scales in the
+    ``mgpu``: for K and N multiples of 64, also store the codes and scales in the
     tensor-core kernel's operand layout (``fp4_matmul_mgpu``; one more copy: 4.5 bits per
     weight); up to ``MGPU_MAX_ROWS`` rows then run that kernel on a GPU, the fastest FP4 path
     measured there for 1 to 64 rows (BENCHMARKS.md).
     ``gemv``: for NVFP4, also store the one-token kernel's layout (``gemv_words``/
     ``gemv_scales``, one more copy) where the shape allows; one-token calls without the
     tensor-core layout then use that kernel. None: only when no tensor-core layout was made.
-    MXFP4 keeps the GEMV form (``gemv_config``), measured faster for it on the H200.
     """
     if len(w.shape) != 2 or w.axis != 0:
         raise ValueError(

@@ -46,6 +46,7 @@ from trace_jax.fp4.formats import E8M0_NAN
 
 _TILE_N = 64  # weight rows per program: the wgmma register operand's rows
 _CHUNK = 64  # K elements per decoded operand tile (4 NVFP4 blocks)
+_ROW_ALIGN = 8  # rows per tile of the swizzled activation buffer
 _SCALE_OFFSET = 100  # power of two folded into the block scales (normal bf16 products)
 
 # Bit positions in a code word: slot (pair P, element v) -> (sign bit, lowest magnitude bit).
@@ -178,8 +179,8 @@ def _pack(
 
 def default_on(fmt, k: int, n: int) -> bool:
     """Whether ``prepack``/``prepack_grouped`` build this layout unless told otherwise: NVFP4
-    (the format measured on the H200) with K and N multiples of 64."""
-    return fmt.name == "nvfp4" and k % _CHUNK == 0 and n % _TILE_N == 0
+    or MXFP4 (both measured on the H200) with K and N multiples of 64."""
+    return fmt.name in ("nvfp4", "mxfp4") and k % _CHUNK == 0 and n % _TILE_N == 0
 
 
 def prepack_mgpu(w: QTensor, base=None) -> MgpuWeight:
@@ -426,12 +427,12 @@ def _grouped_kernel(
     b = lax.axis_index("b")
     tn = lax.axis_index("n")
     e = expert_gmem[b]
-    row = row_gmem[b]
+    row = pl.multiple_of(row_gmem[b], _ROW_ALIGN)  # a tiled TMA window starts on a tile row
 
     @pl.when(valid_gmem[b] > 0)
     def _():
         _stream(
-            x_gmem.at[pl.ds(row, cfg.block_m)],
+            x_gmem.at[pl.ds(row, cfg.block_m + _ROW_ALIGN)],
             w_gmem.at[e, pl.ds(tn, 1)],
             s_gmem.at[e, pl.ds(tn, 1)],
             o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
@@ -439,7 +440,7 @@ def _grouped_kernel(
             cfg=cfg,
             steps=steps,
             k0=0,
-            mpad=cfg.block_m,
+            mpad=cfg.block_m + _ROW_ALIGN,
             scale_format=fmt,
         )
 
@@ -588,11 +589,16 @@ def fp4_grouped_matmul_mgpu(
     steps = k // cfg.block_k
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1, warpgroups=1)
     be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, bm), (0, 0)))  # every block's window fits
+    # A block reads the window of bm + 8 rows from its first row rounded down to a multiple of
+    # 8 (TMA into the tiled buffer needs aligned starts); its rows sit at brow % 8 on.
+    window = bm + _ROW_ALIGN
+    rpos = rpos + brow[rblock] % _ROW_ALIGN
+    brow = brow - brow % _ROW_ALIGN
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, window), (0, 0)))  # every window fits
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((be.shape[0], n, bm), jnp.float32),
-        scratch_types=_scratch(cfg, cfg.stages, bm),
+        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),
+        scratch_types=_scratch(cfg, cfg.stages, window),
         grid=(be.shape[0], n // _TILE_N),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

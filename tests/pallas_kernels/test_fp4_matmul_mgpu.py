@@ -163,7 +163,7 @@ def test_gpu_benchmark_shapes(k, n, m):
 
 
 def test_fp4_matmul_dispatch():
-    # prepack builds the tensor-core layout for NVFP4 (and then no one-token copy); an
+    # prepack builds the tensor-core layout for NVFP4 and MXFP4 (and then no one-token copy); an
     # MgpuMatmulConfig selects the kernel through fp4_matmul
     k, n = 256, 64
     qt = _weights(k, n, seed=10)
@@ -172,7 +172,7 @@ def test_fp4_matmul_dispatch():
     x = random_x(4, k, seed=11)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
     assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
-    assert fm.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is None
+    assert fm.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is not None
     assert fm.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
     with pytest.raises(ValueError, match="needs prepack"):
         fm.fp4_matmul(x, fm.prepack(qt, mgpu=False), config=cfg, interpret=True)
