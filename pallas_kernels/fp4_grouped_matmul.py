@@ -37,17 +37,17 @@ def default_grouped_config(rows: int, experts: int, k: int, n: int) -> Fp4Matmul
     return Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, split_k=1, num_stages=3)
 
 
-def prepack_grouped(w: QTensor, *, mgpu: bool = False) -> Fp4Weight:
+def prepack_grouped(w: QTensor, *, mgpu: bool = True) -> Fp4Weight:
     """Arrange expert weights ``QTensor`` [E, K, N] (quantized along K, axis 1) for the kernel.
 
     Also takes the per-expert form ``jax.vmap(quantize)`` makes of [E, K, N] weights (logical
     shape [K, N], axis 0, arrays with a leading expert axis, one global scale per expert): the
     stored bytes are the same; the global scales become per-row ones.
 
-    ``mgpu``: for NVFP4 with K and N multiples of 64, also store the tensor-core kernel's
-    layout (``fp4_matmul_mgpu.fp4_grouped_matmul_mgpu``; one more copy of the codes), which
-    ``fp4_grouped_linear`` then runs on a GPU. Off by default: that kernel is checked in the
-    Mosaic GPU interpreter, and not yet compiled and timed on the GPU (BENCHMARKS.md).
+    ``mgpu``: for K and N multiples of 64, also store the tensor-core kernel's layout
+    (``fp4_matmul_mgpu.fp4_grouped_matmul_mgpu``; one more copy of the codes), which
+    ``fp4_grouped_linear`` then runs on a GPU: the faster grouped kernel measured on the H200
+    (BENCHMARKS.md).
     """
     w = stack_experts(w)
     if len(w.shape) != 3 or w.axis != 1:

@@ -21,9 +21,9 @@ Kernel layout (Pallas, Triton lowering):
 * ``split_k > 1`` splits the contraction over a second grid axis; partial fp32 sums are added
   in XLA.
 
-On a GPU, up to 64 rows with a ``prepack`` (NVFP4 or MXFP4) run ``fp4_matmul_mgpu`` instead (Mosaic GPU:
-decoded straight into the tensor cores' register operand, TMA stages; the fastest FP4 path
-measured for 1-64 rows). A ``prepack`` without that layout runs one token through
+On a GPU, up to 64 rows with a ``prepack`` (NVFP4 or MXFP4) run ``fp4_matmul_mgpu``
+instead (Mosaic GPU: decoded straight into the tensor cores' register operand, TMA stages; the
+fastest FP4 path measured for 1-64 rows). A ``prepack`` without that layout runs one token through
 ``fp4_matmul_gemv`` (its own word layout, no matrix unit). ``fp4_matmul_reference`` is the
 pure-JAX definition; ``fp4_linear`` is the dispatcher that falls back to dequantize-then-XLA-
 matmul where the kernel would not be faster (large M).

@@ -525,10 +525,12 @@ def fp4_matmul_mgpu(
 
 
 def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
-    """Defaults for ``rows`` routed rows over ``experts`` experts: row blocks of 8-64 rows
-    (about the mean rows per expert), 256-element K steps, 3 buffers."""
-    mean = max(1, rows // max(experts, 1))
-    block_m = min(64, max(8, -(-mean // 8) * 8))
+    """Defaults for ``rows`` routed rows over ``experts`` experts: row blocks of 8-64 rows,
+    wide enough that few experts need a second block (which reads the expert's weight again):
+    the mean rows per expert plus three standard deviations of a uniform routing; 256-element
+    K steps, 3 buffers."""
+    mean = rows / max(experts, 1)
+    block_m = min(64, -(-int(mean + 3 * mean**0.5 + 1) // _ROW_ALIGN) * _ROW_ALIGN)
     return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
 
 
@@ -594,7 +596,8 @@ def fp4_grouped_matmul_mgpu(
     window = bm + _ROW_ALIGN
     rpos = rpos + brow[rblock] % _ROW_ALIGN
     brow = brow - brow % _ROW_ALIGN
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, window), (0, 0)))  # every window fits
+    # every window fits, and the row count is whole tiles
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, window + -t % _ROW_ALIGN), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),

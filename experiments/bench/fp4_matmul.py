@@ -599,7 +599,7 @@ def table(log, configs=None):
                             )
                         )
             del case
-    rows += grouped_rows(log)
+    rows += grouped_rows(log, (None,), (None,))
     print_table(rows)
     return rows
 
@@ -808,7 +808,7 @@ def main(argv=None):
     elif args.tune:
         table(log, tune(log))
     elif args.grouped_mgpu:
-        variants = () if args.quick else ((256, 3, 16), (128, 4, 8))
+        variants = () if args.quick else ((256, 3, 8), (256, 3, 16), (256, 3, 32), (128, 4, 16))
         mcfgs = [None] + [
             fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm) for bk, st, bm in variants
         ]

@@ -195,12 +195,14 @@ def _experts(e, k, n, seed, scale=0.05):
         ((2, 7, 0, 9, 1, 3), 22, None),
     ],
 )
-def test_grouped_matches_reference(sizes, t, cfg):
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
+def test_grouped_matches_reference(sizes, t, cfg, interpret):
+    # row counts that are not whole 8-row tiles, expert starts off the tiles
     e, k, n = len(sizes), 256, 128
     qt = _experts(e, k, n, seed=t)
     x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, cfg, interpret=True)
+    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, cfg, interpret=interpret)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     total = sum(sizes)
     assert y.shape == (t, n) and np.all(np.asarray(y, np.float32)[total:] == 0)
@@ -224,7 +226,7 @@ def test_grouped_prepack_and_bad_inputs():
     qt = _experts(4, 128, 64, seed=5)
     w = gm.prepack_grouped(qt, mgpu=True)
     assert w.mgpu is not None and w.mgpu.shape == (4, 128, 64)
-    assert gm.prepack_grouped(qt).mgpu is None  # opt-in
+    assert gm.prepack_grouped(qt, mgpu=False).mgpu is None
     with pytest.raises(ValueError, match="do not match"):
         fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="expert weights"):

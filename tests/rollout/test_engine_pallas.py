@@ -206,17 +206,10 @@ def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeyp
 
 @pytest.mark.gpu
 def test_gpu_tensor_core_moe_route_matches_xla(monkeypatch):
-    """Expert dims that are multiples of 64 and ``prepack_grouped(mgpu=True)``: the pallas
-    engine's MoE layers run the tensor-core kernel (``fp4_grouped_matmul_mgpu``) and generate
-    what the XLA engine generates."""
-    import functools
-
+    """Expert dims that are multiples of 64: the pallas engine's MoE layers run the
+    tensor-core kernel (``fp4_grouped_matmul_mgpu``) and generate what the XLA engine
+    generates."""
     from pallas_kernels import fp4_matmul_mgpu as fmm
-    from trace_jax.rollout import engine as engine_module
-
-    monkeypatch.setattr(
-        engine_module, "prepack_grouped", functools.partial(gm.prepack_grouped, mgpu=True)
-    )
 
     cfg = dataclasses.replace(CFG, hidden_size=128, moe_intermediate_size=64)
     model = pow2_global_scales(Transformer(cfg, nnx.Rngs(1)))
