@@ -525,12 +525,14 @@ def fp4_matmul_mgpu(
 
 
 def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
-    """Defaults for ``rows`` routed rows over ``experts`` experts: row blocks of 8-64 rows,
-    wide enough that few experts need a second block (which reads the expert's weight again):
-    the mean rows per expert plus three standard deviations of a uniform routing; 256-element
-    K steps, 3 buffers."""
+    """Defaults for ``rows`` routed rows over ``experts`` experts (H200, BENCHMARKS.md): up to
+    4 rows per expert on average, 8-row blocks (the narrowest MMA; an expert with more rows is
+    read again, rarely); more, blocks wide enough that few experts need a second one: the mean
+    plus three standard deviations of a uniform routing, at most 64. 256-element K steps, 3
+    buffers."""
     mean = rows / max(experts, 1)
-    block_m = min(64, -(-int(mean + 3 * mean**0.5 + 1) // _ROW_ALIGN) * _ROW_ALIGN)
+    wide = -(-int(mean + 3 * mean**0.5 + 1) // _ROW_ALIGN) * _ROW_ALIGN
+    block_m = _ROW_ALIGN if mean <= 4 else min(64, wide)
     return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
 
 

@@ -260,3 +260,11 @@ def test_gpu_mxfp4_benchmark_shapes(k, n):
     qt = fp4.quantize(w, "mxfp4", axis=0)
     x = random_x(16, k, seed=3)
     assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+
+
+@pytest.mark.parametrize(
+    ("rows", "block_m"), [(1, 8), (128, 8), (512, 8), (2048, 32), (1 << 14, 64)]
+)
+def test_default_grouped_config_block_rows(rows, block_m):
+    # 128 experts: narrow blocks up to 4 rows per expert, then mean + 3 sd in whole tiles
+    assert fmm.default_grouped_config(rows, 128, 2048).block_m == block_m
