@@ -106,10 +106,14 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     Up to 16 rows: 256-element K steps, 3 buffers, K split in two where each program keeps at
     least 8 steps (more programs in flight, fewer idle multiprocessors in the last wave).
     More rows (a 64-row activation tile is 32 KB per buffer): 4 buffers, no split.
+    One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
+    two, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
     if m > 16:
         return MgpuMatmulConfig(block_k=block_k, stages=4)
+    if m == 1 and k <= 4096 and k % 256 == 0 and n % (2 * _TILE_N) == 0:
+        return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, warpgroups=2)
     split = 2 if k % (2 * block_k) == 0 and k // (2 * block_k) >= 8 else 1
     return MgpuMatmulConfig(block_k=block_k, stages=3, split_k=split)
 

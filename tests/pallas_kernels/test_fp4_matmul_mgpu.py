@@ -268,3 +268,15 @@ def test_gpu_mxfp4_benchmark_shapes(k, n):
 def test_default_grouped_config_block_rows(rows, block_m):
     # 128 experts: narrow blocks up to 4 rows per expert, then mean + 3 sd in whole tiles
     assert fmm.default_grouped_config(rows, 128, 2048).block_m == block_m
+
+
+def test_one_row_default_config_runs():
+    # one row, short K: the two-warpgroup split default; equals the reference
+    k, n = 512, 128
+    cfg = fmm.default_config(1, k, n)
+    assert cfg.warpgroups == 2 and cfg.split_k == 2
+    qt = _weights(k, n, seed=21)
+    x = random_x(1, k, seed=22)
+    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
