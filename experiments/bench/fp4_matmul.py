@@ -682,7 +682,7 @@ MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups); None: the shape's d
 )
 
 
-def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4"):
+def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_SHAPES):
     """FP4 on the tensor cores (``fp4_matmul_mgpu``, Mosaic GPU): identity rows bit for bit
     first, then each dense shape and M against ``fp4_matmul``'s default and the best BF16 path."""
     qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, fmt, axis=0)
@@ -694,7 +694,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4"):
     log.append(dict(check="mgpu identity rows bit-exact", ok=exact))
     print(f"mgpu identity rows bit-exact: {exact}", flush=True)
     rows = []
-    for k, n in DENSE_SHAPES:
+    for k, n in shapes:
         case = make_dense(k, n, fmt, SETS, seed=1)
         # prepack made the layout where it is on by default (NVFP4); the dispatch row is then
         # this kernel at its default, so the variants skip it
@@ -782,6 +782,12 @@ def main(argv=None):
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--ms", default="1,16,64", help="--mgpu: the token counts M")
     ap.add_argument("--fmt", default="nvfp4", help="--mgpu: nvfp4 or mxfp4")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups;...' instead of the built-in list",
+    )
+    ap.add_argument("--shapes", default="", help="--mgpu: 'K,N;...' instead of both dense shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -815,7 +821,13 @@ def main(argv=None):
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
         ms = tuple(int(v) for v in args.ms.split(","))
-        mgpu(log, (None,) if args.quick else MGPU_VARIANTS, ms, args.fmt)
+        variants = (None,) if args.quick else MGPU_VARIANTS
+        if args.variants:
+            variants = [tuple(int(v) for v in t.split(",")) for t in args.variants.split(";")]
+        shapes = DENSE_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(v) for v in t.split(",")) for t in args.shapes.split(";")]
+        mgpu(log, variants, ms, args.fmt, shapes)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
