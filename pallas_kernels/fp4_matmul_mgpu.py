@@ -100,18 +100,44 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
 
 
+_SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper (bytes)
+
+
+def _smem_bytes(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> int:
+    """Shared memory of ``_scratch(cfg, stages, mpad)`` in bytes (barriers aside)."""
+    chunks, nwg = cfg.block_k // _CHUNK, cfg.warpgroups
+    per_stage = mpad * cfg.block_k * 2 + nwg * chunks * (2 * 256 + _TILE_N) * 4
+    staged_a = nwg * _TILE_N * _CHUNK * 2 if cfg.decode == "portable" else 0
+    return stages * per_stage + nwg * _TILE_N * mpad * 4 + staged_a
+
+
+def _check_smem(cfg: MgpuMatmulConfig, stages: int, mpad: int, who: str) -> None:
+    used = _smem_bytes(cfg, stages, mpad)
+    if used > _SMEM_LIMIT:
+        raise ValueError(
+            f"{who}: {cfg} with {mpad} activation rows needs {used // 1024} KB of shared memory "
+            f"(at most {_SMEM_LIMIT // 1024} KB); use fewer stages or a smaller block_k"
+        )
+
+
 def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     """Tuned defaults per shape class (H200, BENCHMARKS.md), ``m`` rows, weight [k, n].
 
     Up to 16 rows: 256-element K steps, 3 buffers, K split in two where each program keeps at
     least 8 steps (more programs in flight, fewer idle multiprocessors in the last wave).
-    More rows (a 64-row activation tile is 32 KB per buffer): 4 buffers, no split.
+    More rows (a 64-row activation tile is 32 KB per buffer): 4 buffers, no split; above 64
+    rows (not timed yet) the most buffers of 256, else 128, elements that fit in shared memory.
     One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
     two, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
     if m > 16:
-        return MgpuMatmulConfig(block_k=block_k, stages=4)
+        mpad = -(-m // _ROW_ALIGN) * _ROW_ALIGN
+        for bk, stages in ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (64, 2)):
+            cfg = MgpuMatmulConfig(block_k=bk, stages=stages)
+            if k % bk == 0 and _smem_bytes(cfg, stages, mpad) <= _SMEM_LIMIT:
+                return cfg
+        return MgpuMatmulConfig(block_k=_CHUNK, stages=2)
     if m == 1 and k <= 4096 and k % 256 == 0 and n % (2 * _TILE_N) == 0:
         return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, warpgroups=2)
     split = 2 if k % (2 * block_k) == 0 and k // (2 * block_k) >= 8 else 1
@@ -508,6 +534,7 @@ def fp4_matmul_mgpu(
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
     steps = k // (cfg.block_k * cfg.split_k)
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
+    _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
@@ -596,6 +623,7 @@ def fp4_grouped_matmul_mgpu(
     bm = cfg.block_m
     steps = k // cfg.block_k
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1, warpgroups=1)
+    _check_smem(cfg, cfg.stages, bm + _ROW_ALIGN, "fp4_grouped_matmul_mgpu")
     be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
     # A block reads the window of bm + 8 rows from its first row rounded down to a multiple of
     # 8 (TMA into the tiled buffer needs aligned starts); its rows sit at brow % 8 on.

@@ -280,3 +280,19 @@ def test_one_row_default_config_runs():
     y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
+
+
+def test_tall_activations_fit_shared_memory():
+    # above 64 rows the default shrinks its buffers to fit; a config that does not fit is
+    # refused with the size it would need
+    k, n, m = 256, 64, 200
+    cfg = fmm.default_config(m, k, n)
+    assert fmm._smem_bytes(cfg, cfg.stages, 200) <= fmm._SMEM_LIMIT
+    qt = _weights(k, n, seed=23)
+    x = random_x(m, k, seed=24)
+    assert_close(
+        fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True), fm.fp4_matmul_reference(x, qt)
+    )
+    with pytest.raises(ValueError, match="shared memory"):
+        big = fmm.MgpuMatmulConfig(block_k=256, stages=4)
+        fmm.fp4_matmul_mgpu(random_x(256, 1024, 0), fmm.prepack_mgpu(_weights(1024, 64, 1)), big)
