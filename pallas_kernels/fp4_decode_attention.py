@@ -229,7 +229,22 @@ _NIBBLE_SHIFTS = (  # nibble t -> (sign copy, magnitude copy) of the code words 
     ("shl.b32 a, $1, 4;", "shr.b32 b, $1, 2;"),
     ("mov.b32 a, $1;", "shr.b32 b, $1, 6;"),
 )
-_NIBBLE_ASMS = tuple(_NIBBLE_ASM.format(sign=a, mag=b) for a, b in _NIBBLE_SHIFTS)
+# Nibbles 0 and 1 need both copies shifted left: one multiply of the isolated nibble makes both
+# (x * (2**i + 2**j) = x << i | x << j, the copies in disjoint bits of each lane, no carry).
+_NIBBLE_IMAD = """
+{{
+.reg .b32 a;
+and.b32 a, $1, {mask};
+mul.lo.u32 a, a, {mult};
+and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $2;
+}}
+"""
+_NIBBLE_ASMS = (
+    _NIBBLE_IMAD.format(mask="0x000F000F", mult=(1 << 12) + (1 << 6)),
+    _NIBBLE_IMAD.format(mask="0x00F000F0", mult=(1 << 8) + (1 << 2)),
+    *(_NIBBLE_ASM.format(sign=a, mag=b) for a, b in _NIBBLE_SHIFTS[2:]),
+)
 _FP4_PARTS = len(_NIBBLE_ASMS)
 
 
