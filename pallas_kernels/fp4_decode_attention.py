@@ -71,6 +71,10 @@ class DecodeAttentionConfig:
       num_stages: software-pipelining depth of the slot loop.
       dequant: FP4 decode: "asm" (PTX bit operations, GPU only) or "portable" (plain jnp; used
         automatically in interpret mode).
+      heads_per_program: KV heads whose query groups share one program's rows (their slots
+        interleaved along the step's columns, each row masked to its own head's): with 8 query
+        heads per KV head, 2 fill the matrix unit's 16 rows instead of padding them. Not with
+        the fused append (which then uses 1).
     """
 
     block_k: int = 64
@@ -78,12 +82,15 @@ class DecodeAttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     dequant: Dequant = "asm"
+    heads_per_program: int = 1
 
     def __post_init__(self):
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.heads_per_program < 1:
+            raise ValueError(f"heads_per_program must be >= 1, got {self.heads_per_program}")
         if self.dequant not in _DEQUANT:
             raise ValueError(f"dequant must be 'asm' or 'portable', got {self.dequant!r}")
 
@@ -167,7 +174,14 @@ def _load_tile(refs, start, cfg, fmt: CacheFormat):
     token's contribution (None when 1).
     """
     rows = pl.ds(start, cfg.block_k)
-    return _decode_tile([r[rows, :] if len(r.shape) == 2 else r[rows] for r in refs], cfg, fmt)
+    hp = cfg.heads_per_program
+    tiles = []
+    for r in refs:
+        t = r[rows, ...]
+        if hp > 1:  # [bk, hp, ...] -> [bk * hp, ...]: column j is slot j // hp of head j % hp
+            t = t.reshape(cfg.block_k * hp, *t.shape[2:])
+        tiles.append(t)
+    return _decode_tile(tiles, cfg, fmt)
 
 
 def _decode_tile(arrays, cfg, fmt: CacheFormat):
@@ -295,8 +309,9 @@ _DEQUANT = {"asm": _dequant_nibbles_asm, "portable": _dequant_nibbles_portable}
 def _decode_attention_kernel(
     len_ref, *refs, fmt, cfg, n_parts, n_k, group, sm_scale, window, fused
 ):
-    """One (KV head, split, sequence) program. Refs, in order: [slot] (fused), q parts, K and V
-    cache operands, [the new token's stored K and V rows] (fused); outputs:
+    """One (``cfg.heads_per_program`` KV heads, split, sequence) program; ``group``: its query
+    rows (the heads' query groups one after the other). Refs, in order: [slot] (fused), q
+    parts, K and V cache operands, [the new token's stored K and V rows] (fused); outputs:
     o parts, m, l, [the K and V cache operands again, aliased] (fused)."""
     refs = list(refs)
     slot_ref = refs.pop(0) if fused else None
@@ -327,10 +342,15 @@ def _decode_attention_kernel(
     logit_scale = np.float32(sm_scale * _LOG2E)  # softmax in base 2
     dims = (((1,), (1,)), ((), ()))  # [rows, d] x [bk, d] -> [rows, bk]
 
+    hp = cfg.heads_per_program
+    cols = jnp.arange(bk * hp)
+    # column j: slot j // hp of head j % hp; row r: a query of head r // (group // hp)
+    own_head = (cols % hp)[None, :] == (jnp.arange(rows) // (group // hp))[:, None]
+
     def body(t, carry):
         accs, m, l = carry
         start = lo_aligned + (first + t) * bk
-        pos = start + jnp.arange(bk)
+        pos = start + cols // hp if hp > 1 else start + cols
         valid = (pos >= lo) & (pos < hi)
         k_parts, k_col = _load_tile(k_refs, start, cfg, fmt)
         s = sum(
@@ -341,7 +361,7 @@ def _decode_attention_kernel(
             s = s * logit_scale
         else:
             s = s * (k_col * logit_scale)[None, :]
-        s = jnp.where(valid[None, :], s, -jnp.inf)
+        s = jnp.where(valid[None, :] & own_head if hp > 1 else valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -604,17 +624,23 @@ def _attention_call(q, k_ops, v_ops, lengths, fmt, cfg, sm_scale, window, interp
             nk = len(k_ops)
             extra = [_codes_u16(a) if i % nk == 0 else a for i, a in enumerate(extra)]
             append = (slots, extra)
-    group = hq // hkv
+    if append is not None or hkv % cfg.heads_per_program:
+        cfg = dataclasses.replace(cfg, heads_per_program=1)
+    hp = cfg.heads_per_program
+    group = hq // hkv * hp  # query rows per program
+    hkv //= hp  # programs per sequence and split
     rows = max(_MIN_ROWS, _next_pow2(group))
     splits = cfg.num_splits
 
     q_parts = _q_parts(q.astype(jnp.bfloat16).reshape(b, hkv, group, d), fmt)
     dp = q_parts[0].shape[-1]
 
+    heads = None if hp == 1 else hp
+
     def cache_spec(a):
         if a.ndim == 4:
-            return pl.BlockSpec((None, s, None, a.shape[3]), lambda h, j, i: (i, 0, h, 0))
-        return pl.BlockSpec((None, s, None), lambda h, j, i: (i, 0, h))
+            return pl.BlockSpec((None, s, heads, a.shape[3]), lambda h, j, i: (i, 0, h, 0))
+        return pl.BlockSpec((None, s, heads), lambda h, j, i: (i, 0, h))
 
     def row_spec(a):  # [B, Hkv, ...] -> one (sequence, KV head)'s row; [1, 1]: shared
         if a.shape == (1, 1):

@@ -101,6 +101,24 @@ def test_sliding_window(fmt):
     assert np.abs(np.asarray(full, np.float32) - np.asarray(ref, np.float32)).max() > 0.05
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_kv_heads_per_program(fmt):
+    # Each program's rows hold two KV heads' query groups; every row must see only its own
+    # head's slots (the other head's are poisoned past the lengths and differ within them).
+    b, s, hkv, hq, d = 3, 64, 4, 16, 64
+    window = 27
+    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=7)
+    lengths = jnp.array([s, 1, 40], jnp.int32)
+    lo = jnp.maximum(lengths - window, 0)
+    cfg = dataclasses.replace(SMALL, heads_per_program=2)
+    kp, vp = _poison(k, lengths), _poison(v, lengths)
+    y = fa.decode_attention(q, kp, vp, lengths, config=cfg, interpret=True)
+    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths))
+    kw, vw = _poison(k, lengths, lo), _poison(v, lengths, lo)
+    y = fa.decode_attention(q, kw, vw, lengths, window=window, config=cfg, interpret=True)
+    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths, window=window))
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (12, 4), (32, 2)])
 def test_gqa_ratios(hq, hkv):
     # G = 1 (MHA), 3 (padded to 16 rows, not a power of two) and 16 query heads per KV head.
@@ -293,7 +311,8 @@ def test_gpu_window_and_small_tiles(fmt):
         lo = jnp.maximum(lengths - (window or s), 0)
         ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
         kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
-        for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4)):
+        two = fa.DecodeAttentionConfig(block_k=16, num_splits=4, num_warps=2, heads_per_program=2)
+        for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4), two):
             y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
             _assert_close(y, ref)
 
