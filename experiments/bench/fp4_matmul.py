@@ -215,19 +215,40 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
         return float("nan")
 
 
-def large_m_paths(case: DenseCase, log, ms):
-    """The two candidates the dispatcher chooses between at large M, each with its BF16 time."""
+# Large tiles for M >= 256 (block_m, block_n, block_k, num_warps): the default's 64 x 64 tiles
+# read x once per 64 columns of W and W once per 64 rows of x.
+LARGE_M_TILES = ((128, 128, 64, 8), (256, 128, 64, 8), (128, 256, 64, 8), (128, 128, 128, 8))
+
+
+def large_m_paths(case: DenseCase, log, ms, tiles=()):
+    """The two candidates the dispatcher chooses between at large M, each with its BF16 time,
+    and the kernel at each of ``tiles`` (``LARGE_M_TILES`` entries)."""
     rows = []
     for m in ms:
         tb = t_bf16_cache.get((case.k, m)) or best_bf16(case, m, log, seed=5)[0]
         xs = [make_x(m, case.k, 60 + i) for i in range(SETS)]
         ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
-        for name, fn in (
+        cands = [
             ("kernel", lambda x, w: fm.fp4_matmul(x, w)),
             ("dequantize + XLA", lambda x, w: fm._xla_linear(x, w, False)),
-        ):
-            ok = check(f"{name} {case.fmt} m={m}", fn(xs[0], case.packed[0]), ref, log)
-            t = time_op(fn, list(zip(xs, case.packed, strict=True))) if ok else float("nan")
+        ]
+        for bm, bn, bk, warps in tiles:
+            cfg = fm.Fp4MatmulConfig(
+                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3
+            )
+            cands.append(
+                (
+                    f"kernel {bm}x{bn}x{bk} w{warps}",
+                    lambda x, w, c=cfg: fm.fp4_matmul(x, w, config=c),
+                )
+            )
+        for name, fn in cands:
+            try:
+                ok = check(f"{name} {case.fmt} m={m}", fn(xs[0], case.packed[0]), ref, log)
+                t = time_op(fn, list(zip(xs, case.packed, strict=True))) if ok else float("nan")
+            except Exception as e:  # a tiling that does not compile (shared memory, registers)
+                print(f"{name} m={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                t = float("nan")
             rows.append(
                 (
                     f"dense {case.fmt} {name}",
@@ -834,7 +855,7 @@ def main(argv=None):
         rows = []
         for k, n in DENSE_SHAPES:
             case = make_dense(k, n, "nvfp4", SETS, seed=1)
-            rows += large_m_paths(case, log, (256, 1024))
+            rows += large_m_paths(case, log, (256, 1024), LARGE_M_TILES)
             del case
         print_table(rows)
     else:
