@@ -23,7 +23,7 @@ def test_logical_axes_map_to_mesh_axes():
 def test_sharded_forward_equals_single_device():
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )

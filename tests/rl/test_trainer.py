@@ -131,7 +131,7 @@ def test_warm_start_lowers_the_supervised_loss_without_guidance():
 def test_two_device_sharded_rl_step_equals_one_device_and_the_loop_runs_sharded():
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )
