@@ -215,9 +215,16 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
         return float("nan")
 
 
-# Large tiles for M >= 256 (block_m, block_n, block_k, num_warps): the default's 64 x 64 tiles
-# read x once per 64 columns of W and W once per 64 rows of x.
-LARGE_M_TILES = ((128, 128, 64, 8), (256, 128, 64, 8), (128, 256, 64, 8), (128, 128, 128, 8))
+# Large tiles for M >= 256 (block_m, block_n, block_k, num_warps, x_layout): the default's
+# 64 x 64 tiles read x once per 64 columns of W and W once per 64 rows of x. "join": one
+# product per step (no FADD of a second product into the accumulator).
+LARGE_M_TILES = (
+    (128, 128, 64, 8, "split"),
+    (128, 128, 64, 8, "join"),
+    (256, 128, 64, 8, "split"),
+    (128, 256, 64, 8, "split"),
+    (128, 128, 128, 8, "join"),
+)
 
 
 def large_m_paths(case: DenseCase, log, ms, tiles=()):
@@ -232,13 +239,13 @@ def large_m_paths(case: DenseCase, log, ms, tiles=()):
             ("kernel", lambda x, w: fm.fp4_matmul(x, w)),
             ("dequantize + XLA", lambda x, w: fm._xla_linear(x, w, False)),
         ]
-        for bm, bn, bk, warps in tiles:
+        for bm, bn, bk, warps, layout in tiles:
             cfg = fm.Fp4MatmulConfig(
-                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3
+                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3, x_layout=layout
             )
             cands.append(
                 (
-                    f"kernel {bm}x{bn}x{bk} w{warps}",
+                    f"kernel {bm}x{bn}x{bk} w{warps} {layout}",
                     lambda x, w, c=cfg: fm.fp4_matmul(x, w, config=c),
                 )
             )
