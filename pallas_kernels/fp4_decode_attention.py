@@ -73,8 +73,8 @@ class DecodeAttentionConfig:
         automatically in interpret mode).
       heads_per_program: KV heads whose query groups share one program's rows (their slots
         interleaved along the step's columns, each row masked to its own head's): with 8 query
-        heads per KV head, 2 fill the matrix unit's 16 rows instead of padding them. Not with
-        the fused append (which then uses 1).
+        heads per KV head, 2 fill the matrix unit's 16 rows instead of padding them. 1 is used
+        instead with the fused append, or when it does not divide the KV heads.
     """
 
     block_k: int = 64
