@@ -232,7 +232,10 @@ def fp4_grouped_matmul_reference(
 # (H200, BENCHMARKS.md: 9.7-10.4x faster at 2048 rows); beyond it the crossover is not measured
 # and the dispatcher uses XLA.
 PALLAS_MAX_ROWS = 2048
-MGPU_MIN_K = 1024  # shorter contractions with many rows run the Triton kernel (fp4_grouped_linear)
+# Above MGPU_MAX_SHORT_K_ROWS rows, contractions shorter than MGPU_MIN_K run this module's
+# kernel instead of the tensor-core one (fp4_grouped_linear).
+MGPU_MIN_K = 1024
+MGPU_MAX_SHORT_K_ROWS = 512
 
 
 def grouped_config(rows: int, experts: int, k: int, n: int, fmt: fp4.FormatSpec):
@@ -259,8 +262,9 @@ def fp4_grouped_linear(
     The kernel runs when x is bf16 (it is W4A16), a tiling fits the weight (``grouped_config``)
     and there are at most ``PALLAS_MAX_ROWS`` rows: compiled on a GPU with the tensor-core
     layout (``prepack_grouped(mgpu=True)``), ``fp4_grouped_matmul_mgpu``, except for more
-    than 512 rows with K < ``MGPU_MIN_K`` (this module's kernel measured faster there on the
-    H200: 112 vs 122 us at 2048 rows, K=768); else this module's kernel.
+    than ``MGPU_MAX_SHORT_K_ROWS`` rows with K < ``MGPU_MIN_K`` (this module's kernel
+    measured faster there on the H200: 112 vs 122 us at 2048 rows, K=768); else this module's
+    kernel.
 
     Args:
       x: [T, K] rows sorted by expert.
@@ -275,7 +279,11 @@ def fp4_grouped_linear(
     if x.dtype == jnp.bfloat16 and cfg is not None and x.shape[0] <= PALLAS_MAX_ROWS:
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
-        if w.mgpu is not None and not interpret and (k >= MGPU_MIN_K or x.shape[0] <= 512):
+        if (
+            w.mgpu is not None
+            and not interpret
+            and (k >= MGPU_MIN_K or x.shape[0] <= MGPU_MAX_SHORT_K_ROWS)
+        ):
             return fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, group_sizes)
         return fp4_grouped_matmul(x, w, group_sizes, config=cfg, interpret=interpret)
     wx = fp4.dequantize(w.qtensor, x.dtype)

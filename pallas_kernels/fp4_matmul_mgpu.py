@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -103,12 +104,16 @@ class MgpuMatmulConfig:
 _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper (bytes)
 
 
+def _round_up(v, multiple: int):
+    return -(-v // multiple) * multiple
+
+
 def _smem_bytes(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> int:
     """Shared memory of ``_scratch(cfg, stages, mpad)`` in bytes (barriers aside)."""
-    chunks, nwg = cfg.block_k // _CHUNK, cfg.warpgroups
-    per_stage = mpad * cfg.block_k * 2 + nwg * chunks * (2 * 256 + _TILE_N) * 4
-    staged_a = nwg * _TILE_N * _CHUNK * 2 if cfg.decode == "portable" else 0
-    return stages * per_stage + nwg * _TILE_N * mpad * 4 + staged_a
+    buffers = _scratch(cfg, stages, mpad).values()
+    return sum(
+        math.prod(b.shape) * jnp.dtype(b.dtype).itemsize for b in buffers if hasattr(b, "shape")
+    )
 
 
 def _check_smem(cfg: MgpuMatmulConfig, stages: int, mpad: int, who: str) -> None:
@@ -132,8 +137,8 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
     if m > 16:
-        mpad = -(-m // _ROW_ALIGN) * _ROW_ALIGN
-        for bk, stages in ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (64, 2)):
+        mpad = _round_up(m, _ROW_ALIGN)
+        for bk, stages in ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2)):
             cfg = MgpuMatmulConfig(block_k=bk, stages=stages)
             if k % bk == 0 and _smem_bytes(cfg, stages, mpad) <= _SMEM_LIMIT:
                 return cfg
@@ -526,7 +531,7 @@ def fp4_matmul_mgpu(
         cfg = dataclasses.replace(cfg, decode="portable")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"fp4_matmul_mgpu: K={k} is not a multiple of {cfg.block_k * cfg.split_k}")
-    mpad = -(-m // 8) * 8
+    mpad = _round_up(m, _ROW_ALIGN)
     xp = x.astype(jnp.bfloat16)
     if mpad != m:
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
@@ -562,7 +567,7 @@ def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
     plus three standard deviations of a uniform routing, at most 64. 256-element K steps, 3
     buffers."""
     mean = rows / max(experts, 1)
-    wide = -(-int(mean + 3 * mean**0.5 + 1) // _ROW_ALIGN) * _ROW_ALIGN
+    wide = _round_up(int(mean + 3 * mean**0.5 + 1), _ROW_ALIGN)
     block_m = _ROW_ALIGN if mean <= 4 else min(64, wide)
     return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
 

@@ -795,6 +795,11 @@ def smoke(log):
     print(json.dumps(log, indent=1))
 
 
+def _int_tuples(text: str) -> list[tuple[int, ...]]:
+    """'1,2;3,4' -> [(1, 2), (3, 4)]; '' -> []."""
+    return [tuple(int(v) for v in t.split(",")) for t in text.split(";")] if text else []
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
@@ -849,13 +854,8 @@ def main(argv=None):
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
         ms = tuple(int(v) for v in args.ms.split(","))
-        variants = (None,) if args.quick else MGPU_VARIANTS
-        if args.variants:
-            variants = [tuple(int(v) for v in t.split(",")) for t in args.variants.split(";")]
-        shapes = DENSE_SHAPES
-        if args.shapes:
-            shapes = [tuple(int(v) for v in t.split(",")) for t in args.shapes.split(";")]
-        mgpu(log, variants, ms, args.fmt, shapes)
+        variants = _int_tuples(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
+        mgpu(log, variants, ms, args.fmt, _int_tuples(args.shapes) or DENSE_SHAPES)
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:

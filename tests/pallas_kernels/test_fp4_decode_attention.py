@@ -67,8 +67,14 @@ def _assert_close(y, ref):
     np.testing.assert_allclose(y, ref, rtol=2**-6, atol=2**-7 * np.abs(ref).max())
 
 
+# heads_per_program 2: both KV heads' query groups share a program's rows, each row masked to its
+# own head's slots
+HEADS = pytest.mark.parametrize("hp", [1, 2], ids=["1head", "2heads"])
+
+
+@HEADS
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_matches_reference_with_poisoned_stale_slots(fmt):
+def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     # Lengths 1, the maximum and in between; slots past each length hold NaN bytes, which the
     # kernel must never read into the result.
     b, s, hkv, hq, d = 4, 64, 2, 8, 64
@@ -76,7 +82,8 @@ def test_matches_reference_with_poisoned_stale_slots(fmt):
     lengths = jnp.array([1, s, 37, 16], jnp.int32)
     ref = fa.decode_attention_reference(q, k, v, lengths)
     kp, vp = _poison(k, lengths), _poison(v, lengths)
-    y = fa.decode_attention(q, kp, vp, lengths, config=SMALL, interpret=True)
+    cfg = dataclasses.replace(SMALL, heads_per_program=hp)
+    y = fa.decode_attention(q, kp, vp, lengths, config=cfg, interpret=True)
     _assert_close(y, ref)
     # The reference over the poisoned cache is the same (it masks before use).
     np.testing.assert_array_equal(
@@ -85,8 +92,9 @@ def test_matches_reference_with_poisoned_stale_slots(fmt):
     )
 
 
+@HEADS
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_sliding_window(fmt):
+def test_sliding_window(fmt, hp):
     b, s, hkv, hq, d = 3, 64, 2, 4, 32
     window = 21
     q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=2)
@@ -94,29 +102,12 @@ def test_sliding_window(fmt):
     lo = jnp.maximum(lengths - window, 0)
     ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
     kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
-    y = fa.decode_attention(q, kp, vp, lengths, window=window, config=SMALL, interpret=True)
+    cfg = dataclasses.replace(SMALL, heads_per_program=hp)
+    y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg, interpret=True)
     _assert_close(y, ref)
     # The window changes the answer (the test would notice a kernel that ignores it).
     full = fa.decode_attention_reference(q, k, v, lengths)
     assert np.abs(np.asarray(full, np.float32) - np.asarray(ref, np.float32)).max() > 0.05
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_two_kv_heads_per_program(fmt):
-    # Each program's rows hold two KV heads' query groups; every row must see only its own
-    # head's slots (the other head's are poisoned past the lengths and differ within them).
-    b, s, hkv, hq, d = 3, 64, 4, 16, 64
-    window = 27
-    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=7)
-    lengths = jnp.array([s, 1, 40], jnp.int32)
-    lo = jnp.maximum(lengths - window, 0)
-    cfg = dataclasses.replace(SMALL, heads_per_program=2)
-    kp, vp = _poison(k, lengths), _poison(v, lengths)
-    y = fa.decode_attention(q, kp, vp, lengths, config=cfg, interpret=True)
-    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths))
-    kw, vw = _poison(k, lengths, lo), _poison(v, lengths, lo)
-    y = fa.decode_attention(q, kw, vw, lengths, window=window, config=cfg, interpret=True)
-    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths, window=window))
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (12, 4), (32, 2)])
