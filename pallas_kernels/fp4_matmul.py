@@ -21,9 +21,9 @@ Kernel layout (Pallas, Triton lowering):
 * ``split_k > 1`` splits the contraction over a second grid axis; partial fp32 sums are added
   in XLA.
 
-On a GPU, up to 64 rows with a ``prepack`` (NVFP4 or MXFP4) run ``fp4_matmul_mgpu``
+On a GPU, up to 256 rows with a ``prepack`` (NVFP4 or MXFP4) run ``fp4_matmul_mgpu``
 instead (Mosaic GPU: decoded straight into the tensor cores' register operand, TMA stages; the
-fastest FP4 path measured for 1-64 rows). A ``prepack`` without that layout runs one token through
+fastest FP4 path measured for 1-256 rows). A ``prepack`` without that layout runs one token through
 ``fp4_matmul_gemv`` (its own word layout, no matrix unit). ``fp4_matmul_reference`` is the
 pure-JAX definition; ``fp4_linear`` is the dispatcher that falls back to dequantize-then-XLA-
 matmul where the kernel would not be faster (large M).
@@ -59,7 +59,7 @@ Dequant = Literal["asm", "portable"]
 # [2**-6, 448], and code * scale * 2**(100 - 126) stays a normal bf16 for every nonzero code.
 _NVFP4_SCALE_OFFSET = 100
 _MIN_ROWS = 16  # the matrix unit's narrow side: fewer rows are zero-padded
-MGPU_MAX_ROWS = 64  # rows up to which a prepacked weight runs the tensor-core kernel
+MGPU_MAX_ROWS = 256  # rows up to which a prepacked weight runs the tensor-core kernel
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -85,8 +85,7 @@ class Fp4MatmulConfig:
         reduced over K once at the end; no padding of the token side to 16 rows.
       x_layout: how the even/odd K split meets x. "split": x is split into even and odd columns
         in XLA before the kernel (contiguous, pipelined loads; two dots per step); "strided":
-        stride-2 loads in the kernel; "join": the decoded halves are interleaved in registers
-        and one dot runs against contiguous x.
+        stride-2 loads in the kernel.
     """
 
     block_n: int = 128
@@ -96,7 +95,7 @@ class Fp4MatmulConfig:
     num_warps: int = 4
     num_stages: int = 4
     dequant: Dequant = "asm"
-    x_layout: Literal["split", "strided", "join"] = "split"
+    x_layout: Literal["split", "strided"] = "split"
     prefetch: bool = False
     mma: bool = True
 
@@ -113,7 +112,7 @@ class Fp4MatmulConfig:
             raise ValueError("Fp4MatmulConfig: mma=False needs x_layout='split', no prefetch")
         if self.split_k < 1:
             raise ValueError(f"Fp4MatmulConfig.split_k must be >= 1, got {self.split_k}")
-        if self.x_layout not in ("split", "strided", "join"):
+        if self.x_layout not in ("split", "strided"):
             raise ValueError(f"Fp4MatmulConfig.x_layout: unknown {self.x_layout!r}")
         if self.dequant not in DEQUANT_TILE:
             raise ValueError(
@@ -219,7 +218,7 @@ def prepack(w: QTensor, *, mgpu: bool = True, gemv: bool | None = None) -> Fp4We
     ``mgpu``: for K and N multiples of 64, also store the codes and scales in the
     tensor-core kernel's operand layout (``fp4_matmul_mgpu``; one more copy: 4.5 bits per
     weight); up to ``MGPU_MAX_ROWS`` rows then run that kernel on a GPU, the fastest FP4 path
-    measured there for 1 to 64 rows (BENCHMARKS.md).
+    measured there for 1 to 256 rows (BENCHMARKS.md).
     ``gemv``: for NVFP4, also store the one-token kernel's layout (``gemv_words``/
     ``gemv_scales``, one more copy) where the shape allows; one-token calls without the
     tensor-core layout then use that kernel. None: only when no tensor-core layout was made.
@@ -420,11 +419,6 @@ def _fp4_matmul_kernel(*refs, fmt, cfg, steps, w4a4, row_scaled):
             c, s = load_w(step)
             c_next, s_next = c, s
         w_even, w_odd = dequantize_tile(c, s, offset, fmt, cfg.dequant)
-        if not w4a4 and cfg.x_layout == "join":
-            w = jnp.stack([w_even, w_odd], axis=-1).reshape(cfg.block_n, cfg.block_k)
-            x = x_ref[:, pl.ds(step * cfg.block_k, cfg.block_k)]
-            acc += jax.lax.dot_general(w, x, dims, preferred_element_type=jnp.float32)
-            return acc, c_next, s_next
         if w4a4:
             xc = xc_ref[:, pl.ds(step * kb, kb)]
             xs = xs_ref[:, pl.ds(step * (cfg.block_k // 16), cfg.block_k // 16)]

@@ -10,7 +10,8 @@ Each program (one or more warpgroups, 64 rows of N each) owns a contiguous range
 loop streams ``stages`` buffers of (code words, block scales, activation tile) with TMA copies,
 each buffer signalled by its own barrier; a buffer is refilled as soon as the matrix unit has
 consumed it. Several programs share a multiprocessor, so one program's wait overlaps another's
-decode.
+decode. The loop body runs two steps: a ``wgmma`` reads its register operand asynchronously
+until retired, so consecutive steps must decode into different registers.
 
 Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
 gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
@@ -130,16 +131,22 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
 
     Up to 16 rows: 256-element K steps, 3 buffers, K split in two where each program keeps at
     least 8 steps (more programs in flight, fewer idle multiprocessors in the last wave).
-    More rows (a 64-row activation tile is 32 KB per buffer): 4 buffers, no split; above 64
-    rows (not timed yet) the most buffers of 256, else 128, elements that fit in shared memory.
     One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
     two, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
+    17-64 rows: two warpgroups share each 128-element activation tile, 3 buffers (78.0 vs
+    92.0 us at M=64 K=8192 N=28672). 65-256 rows: 64-element steps, 4 buffers, one warpgroup
+    (122.8 / 222.8 us at M=128 / 256, K=8192 N=28672). A shape these do not fit takes the most
+    buffers of 256, else 128, elements that fit in shared memory.
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
+    mpad = _round_up(m, _ROW_ALIGN)
     if m > 16:
-        mpad = _round_up(m, _ROW_ALIGN)
-        for bk, stages in ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2)):
-            cfg = MgpuMatmulConfig(block_k=bk, stages=stages)
+        two_wg = n % (2 * _TILE_N) == 0
+        preferred = [(128, 3, 2)] if m <= 64 and two_wg else []
+        preferred += [(64, 4, 1)] if m > 64 else []
+        fallback = ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (_CHUNK, 2))
+        for bk, stages, wgs in (*preferred, *((bk, st, 1) for bk, st in fallback)):
+            cfg = MgpuMatmulConfig(block_k=bk, stages=stages, warpgroups=wgs)
             if k % bk == 0 and _smem_bytes(cfg, stages, mpad) <= _SMEM_LIMIT:
                 return cfg
         return MgpuMatmulConfig(block_k=_CHUNK, stages=2)
@@ -388,7 +395,7 @@ def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad, sca
             issue(s, s)
 
     def run(acc_ref):
-        def body(step, _):
+        def one_step(step):
             slot = lax.rem(step, cfg.stages)
             plgpu.barrier_wait(bar.at[slot])
             for c in range(chunks):
@@ -418,7 +425,18 @@ def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad, sca
                     plgpu.barrier_wait(consumed.at[prev])
                 issue(refill, prev)
 
-        lax.fori_loop(0, steps, body, None)
+        # A wgmma reads its register operand until it is retired, and a PTX register written in
+        # the loop body is the same register in every iteration: with one step per iteration the
+        # next step's decode would overwrite operands that this step's MMAs may still be reading.
+        # Two steps per iteration give the even and odd steps their own registers, and each
+        # step's wait above retires the step before it, the last to use the registers it writes.
+        def two_steps(i, _):
+            one_step(2 * i)
+            one_step(2 * i + 1)
+
+        lax.fori_loop(0, steps // 2, two_steps, None)
+        if steps % 2:
+            one_step(steps - 1)
         o_smem.at[wg][...] = acc_ref[...]
 
     pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))

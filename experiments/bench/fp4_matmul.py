@@ -215,15 +215,12 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
         return float("nan")
 
 
-# Large tiles for M >= 256 (block_m, block_n, block_k, num_warps, x_layout): the default's
-# 64 x 64 tiles read x once per 64 columns of W and W once per 64 rows of x. "join": one
-# product per step (no FADD of a second product into the accumulator).
+# Large tiles of the Triton kernel for M >= 256 (block_m, block_n, block_k, num_warps): the
+# default's 64 x 64 tiles read x once per 64 columns of W and W once per 64 rows of x.
 LARGE_M_TILES = (
-    (128, 128, 64, 8, "split"),
-    (128, 128, 64, 8, "join"),
-    (256, 128, 64, 8, "split"),
-    (128, 256, 64, 8, "split"),
-    (128, 128, 128, 8, "join"),
+    (128, 128, 64, 8),
+    (256, 128, 64, 8),
+    (128, 256, 64, 8),
 )
 
 
@@ -239,13 +236,13 @@ def large_m_paths(case: DenseCase, log, ms, tiles=()):
             ("kernel", lambda x, w: fm.fp4_matmul(x, w)),
             ("dequantize + XLA", lambda x, w: fm._xla_linear(x, w, False)),
         ]
-        for bm, bn, bk, warps, layout in tiles:
+        for bm, bn, bk, warps in tiles:
             cfg = fm.Fp4MatmulConfig(
-                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3, x_layout=layout
+                block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3
             )
             cands.append(
                 (
-                    f"kernel {bm}x{bn}x{bk} w{warps} {layout}",
+                    f"kernel {bm}x{bn}x{bk} w{warps}",
                     lambda x, w, c=cfg: fm.fp4_matmul(x, w, config=c),
                 )
             )
@@ -337,22 +334,14 @@ def sweep(log):
     base = fm.Fp4MatmulConfig(block_n=128, block_k=256, block_m=16)
     stage1 = [
         dict(dequant="bytes_only", x_layout="split"),
-        dict(dequant="bytes_only", x_layout="join"),
         dict(dequant="bytes_only", x_layout="strided"),
         dict(x_layout="split"),
-        dict(x_layout="join"),
         dict(x_layout="split", dequant="portable"),
-        dict(x_layout="join", dequant="portable"),
         dict(x_layout="split", block_n=64),
-        dict(x_layout="join", block_n=64),
         dict(x_layout="split", block_k=512),
-        dict(x_layout="join", block_k=512),
         dict(x_layout="split", block_k=128),
-        dict(x_layout="join", block_k=128),
         dict(x_layout="split", split_k=2),
-        dict(x_layout="join", split_k=2),
         dict(x_layout="split", num_warps=8),
-        dict(x_layout="join", num_warps=8),
     ]
     t1, best = _sweep_variants(case, 16, base, stage1, bf[16][0], log, rows)
     stage2 = [
@@ -384,7 +373,6 @@ def sweep(log):
             dict(block_k=128),
             dict(block_k=128, num_warps=8),
             dict(num_stages=3),
-            dict(x_layout="join" if best.x_layout == "split" else "split"),
         ],
         bf[64][0],
         log,
@@ -760,6 +748,28 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
     return rows
 
 
+def dispatch(log, ms, fmt="nvfp4", shapes=DENSE_SHAPES):
+    """``fp4_matmul`` on a ``prepack``ed weight (its default route per M) against XLA's BF16
+    matmul in both weight layouts; each row printed as it is measured."""
+    rows = []
+    for k, n in shapes:
+        case = make_dense(k, n, fmt, SETS, seed=1)
+        for m in ms:
+            xs = [make_x(m, k, 5 + i) for i in range(SETS)]
+            tb = min(
+                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
+                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
+            )
+            t = run_fp4(case, m, log, seed=9, label="dispatch")
+            print(
+                f"  dispatch {fmt} k={k} m={m}: {t * 1e6:.1f} us, XLA bf16 {tb * 1e6:.1f} us",
+                flush=True,
+            )
+            rows.append((f"{fmt} fp4_matmul (dispatch)", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
+        del case
+    return rows
+
+
 def print_table(rows):
     print(
         "\n| case | K | N | M | time (us) | best bf16 (us) | speedup | of 4.8 TB/s, bytes moved |"
@@ -811,9 +821,10 @@ def main(argv=None):
         "--quick", action="store_true", help="--gemv: three tilings; --mgpu: defaults only"
     )
     ap.add_argument("--large-m", action="store_true", help="the dispatcher's large-M paths")
-    ap.add_argument("--mgpu", action="store_true", help="NVFP4 tensor-core kernel, M <= 64")
+    ap.add_argument("--mgpu", action="store_true", help="FP4 tensor-core kernel, M <= 256")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
-    ap.add_argument("--ms", default="1,16,64", help="--mgpu: the token counts M")
+    ap.add_argument("--dispatch", action="store_true", help="fp4_matmul's default route vs XLA")
+    ap.add_argument("--ms", default="1,16,64", help="--mgpu, --dispatch: the token counts M")
     ap.add_argument("--fmt", default="nvfp4", help="--mgpu: nvfp4 or mxfp4")
     ap.add_argument(
         "--variants",
@@ -856,6 +867,9 @@ def main(argv=None):
         ms = tuple(int(v) for v in args.ms.split(","))
         variants = _int_tuples(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
         mgpu(log, variants, ms, args.fmt, _int_tuples(args.shapes) or DENSE_SHAPES)
+    elif args.dispatch:
+        ms = tuple(int(v) for v in args.ms.split(","))
+        print_table(dispatch(log, ms, args.fmt, _int_tuples(args.shapes) or DENSE_SHAPES))
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:

@@ -43,7 +43,6 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
         (1, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=128)),
         (5, 512, 128, fm.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
         (16, 256, 128, fm.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
-        (24, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=128, x_layout="join")),
         (40, 128, 64, fm.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
         (1, 512, 64, fm.Fp4MatmulConfig(block_n=32, block_k=128, block_m=1, mma=False)),
         (3, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=64, block_m=1, mma=False, split_k=2)),

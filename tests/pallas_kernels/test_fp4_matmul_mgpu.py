@@ -153,13 +153,32 @@ def test_gpu_identity_rows_exact(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 256])
 def test_gpu_benchmark_shapes(k, n, m):
     qt = _weights(k, n, seed=k + m, scale=0.02)
     x = random_x(m, k, seed=m)
     assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
     # the dispatcher's route for a prepacked weight (default config, the same kernel)
     assert_close(fm.fp4_matmul(x, fm.prepack(qt)), fm.fp4_matmul_reference(x, qt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "cfg"),
+    [
+        (128, fmm.MgpuMatmulConfig(block_k=64, stages=4)),
+        (128, fmm.MgpuMatmulConfig(block_k=128, stages=2, warpgroups=2)),
+        (64, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        (256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+    ],
+)
+def test_gpu_register_operand_not_overwritten(m, cfg):
+    # tilings whose results had NaNs while the next step's decode could overwrite the register
+    # operand of MMAs still in flight (one step per loop iteration)
+    k, n = 8192, 28672
+    qt = _weights(k, n, seed=m, scale=0.02)
+    x = random_x(m, k, seed=m + 1)
+    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg), fm.fp4_matmul_reference(x, qt))
 
 
 def test_fp4_matmul_dispatch():
@@ -282,17 +301,22 @@ def test_one_row_default_config_runs():
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
 
 
-def test_tall_activations_fit_shared_memory():
-    # above 64 rows the default shrinks its buffers to fit; a config that does not fit is
-    # refused with the size it would need
-    k, n, m = 256, 64, 200
+@pytest.mark.parametrize(("m", "n", "warpgroups"), [(40, 128, 2), (40, 64, 1), (200, 64, 1)])
+def test_tall_default_configs_run(m, n, warpgroups):
+    # 17-64 rows: two warpgroups where N has whole 128-row tiles; the default fits shared memory
+    k = 256
     cfg = fmm.default_config(m, k, n)
-    assert fmm._smem_bytes(cfg, cfg.stages, 200) <= fmm._SMEM_LIMIT
+    assert cfg.warpgroups == warpgroups
+    assert fmm._smem_bytes(cfg, cfg.stages, fmm._round_up(m, 8)) <= fmm._SMEM_LIMIT
     qt = _weights(k, n, seed=23)
     x = random_x(m, k, seed=24)
     assert_close(
         fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True), fm.fp4_matmul_reference(x, qt)
     )
+
+
+def test_oversized_config_is_refused():
+    # a config that does not fit in shared memory is refused with the size it would need
     with pytest.raises(ValueError, match="shared memory"):
         big = fmm.MgpuMatmulConfig(block_k=256, stages=4)
         fmm.fp4_matmul_mgpu(random_x(256, 1024, 0), fmm.prepack_mgpu(_weights(1024, 64, 1)), big)
