@@ -723,6 +723,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
                 ("Triton kernel, default_config", fm.default_config(m, k, n)),
             ):
                 t = run_fp4(case, m, log, seed=9, config=c, label=name)
+                print(f"  {name} k={k} m={m}: {t * 1e6:.1f} us, bf16 {tb * 1e6:.1f} us", flush=True)
                 rows.append((f"{fmt} {name}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
             xs = [make_x(m, k, 9 + i) for i in range(SETS)]
             ref = fm.fp4_matmul_reference(xs[0], case.packed[0])

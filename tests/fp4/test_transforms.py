@@ -108,8 +108,13 @@ def signed_index(v: np.ndarray) -> np.ndarray:
     return np.where(v < 0, -i, i)
 
 
+# Values below 2**-100 drawn as 0: a block whose largest value is that small has an MXFP4 scale
+# below 2**-126, a float32 subnormal that XLA:CPU flushes to zero (see the xfailed parity test).
+_NORMAL_SCALE_FLOATS = st.floats(-100, 100, width=32).map(lambda v: 0.0 if abs(v) < 2**-100 else v)
+
+
 @given(
-    x_rollout=hnp.arrays(np.float32, (4, 32), elements=st.floats(-100, 100, width=32)),
+    x_rollout=hnp.arrays(np.float32, (4, 32), elements=_NORMAL_SCALE_FLOATS),
     noise=hnp.arrays(np.float32, (4, 32), elements=st.floats(-1, 1, width=32)),
     noise_scale=st.sampled_from([1e-3, 1e-2, 1e-1, 1.0]),
     fmt=st.sampled_from(FMTS),
