@@ -11,7 +11,8 @@ loop streams ``stages`` buffers of (code words, block scales, activation tile) w
 each buffer signalled by its own barrier; a buffer is refilled as soon as the matrix unit has
 consumed it. Several programs share a multiprocessor, so one program's wait overlaps another's
 decode. The loop body runs two steps: a ``wgmma`` reads its register operand asynchronously
-until retired, so consecutive steps must decode into different registers.
+until retired, so consecutive steps must decode into different registers. The fp32 result is
+staged for its TMA copy out in the shared memory the loop's buffers used (a second scope).
 
 Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
 gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
@@ -110,11 +111,14 @@ def _round_up(v, multiple: int):
 
 
 def _smem_bytes(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> int:
-    """Shared memory of ``_scratch(cfg, stages, mpad)`` in bytes (barriers aside)."""
-    buffers = _scratch(cfg, stages, mpad).values()
-    return sum(
-        math.prod(b.shape) * jnp.dtype(b.dtype).itemsize for b in buffers if hasattr(b, "shape")
-    )
+    """Shared memory of a program in bytes (barriers aside): the K loop's buffers
+    (``_scratch(cfg, stages, mpad)``) or the output staging after it, whichever is larger."""
+
+    def nbytes(b):
+        return math.prod(b.shape) * jnp.dtype(b.dtype).itemsize if hasattr(b, "shape") else 0
+
+    loop = sum(nbytes(b) for b in _scratch(cfg, stages, mpad).values())
+    return max(loop, nbytes(_out_smem(cfg, mpad)))
 
 
 def _check_smem(cfg: MgpuMatmulConfig, stages: int, mpad: int, who: str) -> None:
@@ -364,38 +368,40 @@ def _decode_portable(words_ref, scales_ref, scale_format):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad, scale_format):
+def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format):
     """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] f32 (gmem) =
     W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64).
 
     ``x_rows`` [mpad, K], ``w_tiles`` [W, K/64, 2, 256], ``s_tiles`` [W, K/64, 64]: gmem views of
     the operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``. The
     warpgroups share each buffer's activation tile; warpgroup 0 refills a buffer once every
-    warpgroup has marked it consumed.
+    warpgroup has marked it consumed. The buffers (``_scratch``) live for the K loop only: the
+    fp32 result is staged for its copy to ``out`` in the same shared memory after it.
     """
-    x_smem, w_smem, s_smem, o_smem, bar, consumed, a_smem = scratch
     nwg = cfg.warpgroups
     wg = lax.axis_index("wg") if nwg > 1 else 0
+    collective = ("wg",) if nwg > 1 else ()
     chunks = cfg.block_k // _CHUNK
     decode = functools.partial(
         _decode_asm if cfg.decode == "asm" else _decode_portable, scale_format=scale_format
     )
 
-    def issue(step, slot):
-        kc = k0 + step * chunks
-        plgpu.copy_gmem_to_smem(w_tiles.at[:, pl.ds(kc, chunks)], w_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(s_tiles.at[:, pl.ds(kc, chunks)], s_smem.at[slot], bar.at[slot])
-        plgpu.copy_gmem_to_smem(
-            x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
-        )
+    def k_loop(x_smem, w_smem, s_smem, bar, consumed=None, a_smem=None):
+        def issue(step, slot):
+            kc = k0 + step * chunks
+            w_src, s_src = w_tiles.at[:, pl.ds(kc, chunks)], s_tiles.at[:, pl.ds(kc, chunks)]
+            plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(s_src, s_smem.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(
+                x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
+            )
 
-    @pl.when(wg == 0)
-    def _():
-        for s in range(min(cfg.stages, steps)):
-            issue(s, s)
+        @pl.when(wg == 0)
+        def _():
+            for s in range(min(cfg.stages, steps)):
+                issue(s, s)
 
-    def run(acc_ref):
-        def one_step(step):
+        def one_step(acc_ref, step):
             slot = lax.rem(step, cfg.stages)
             plgpu.barrier_wait(bar.at[slot])
             for c in range(chunks):
@@ -425,27 +431,36 @@ def _stream(x_rows, w_tiles, s_tiles, out, scratch, *, cfg, steps, k0, mpad, sca
                     plgpu.barrier_wait(consumed.at[prev])
                 issue(refill, prev)
 
-        # A wgmma reads its register operand until it is retired, and a PTX register written in
-        # the loop body is the same register in every iteration: with one step per iteration the
-        # next step's decode would overwrite operands that this step's MMAs may still be reading.
-        # Two steps per iteration give the even and odd steps their own registers, and each
-        # step's wait above retires the step before it, the last to use the registers it writes.
-        def two_steps(i, _):
-            one_step(2 * i)
-            one_step(2 * i + 1)
+        def run(acc_ref):
+            # A wgmma reads its register operand until it is retired, and a PTX register written
+            # in the loop body is the same register in every iteration: with one step per
+            # iteration the next step's decode would overwrite operands that this step's MMAs
+            # may still be reading. Two steps per iteration give the even and odd steps their
+            # own registers, and each step's wait retires the step before it, the last to use
+            # the registers it writes.
+            def two_steps(i, _):
+                one_step(acc_ref, 2 * i)
+                one_step(acc_ref, 2 * i + 1)
 
-        lax.fori_loop(0, steps // 2, two_steps, None)
-        if steps % 2:
-            one_step(steps - 1)
-        o_smem.at[wg][...] = acc_ref[...]
+            lax.fori_loop(0, steps // 2, two_steps, None)
+            if steps % 2:
+                one_step(acc_ref, steps - 1)
+            return acc_ref[...]  # waits for every MMA
 
-    pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(wg * _TILE_N, _TILE_N)])
-    plgpu.wait_smem_to_gmem(0)
+        return pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
+
+    acc = pl.run_scoped(k_loop, **_scratch(cfg, cfg.stages, mpad), collective_axes=collective)
+
+    def store(o_smem):
+        o_smem.at[wg][...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(wg * _TILE_N, _TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, _out_smem(cfg, mpad), collective_axes=collective)
 
 
-def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt, **scratch):
+def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt):
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")
     rows = cfg.warpgroups * _TILE_N
@@ -454,7 +469,6 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt, **sc
         w_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
         s_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
         o_gmem.at[sk, pl.ds(tn * rows, rows)],
-        _scratch_refs(scratch),
         cfg=cfg,
         steps=steps,
         k0=sk * steps * (cfg.block_k // _CHUNK),
@@ -475,7 +489,6 @@ def _grouped_kernel(
     cfg,
     steps,
     fmt,
-    **scratch,
 ):
     b = lax.axis_index("b")
     tn = lax.axis_index("n")
@@ -489,18 +502,12 @@ def _grouped_kernel(
             w_gmem.at[e, pl.ds(tn, 1)],
             s_gmem.at[e, pl.ds(tn, 1)],
             o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
-            _scratch_refs(scratch),
             cfg=cfg,
             steps=steps,
             k0=0,
             mpad=cfg.block_m + _ROW_ALIGN,
             scale_format=fmt,
         )
-
-
-def _scratch_refs(scratch: dict) -> tuple:
-    names = ("x_smem", "w_smem", "s_smem", "o_smem", "bar")
-    return (*(scratch[k] for k in names), scratch.get("consumed"), scratch.get("a_smem"))
 
 
 def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
@@ -511,7 +518,6 @@ def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
         x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
         w_smem=plgpu.SMEM((stages, nwg, chunks, 2, 256), jnp.uint32),
         s_smem=plgpu.SMEM((stages, nwg, chunks, _TILE_N), jnp.uint32),
-        o_smem=plgpu.SMEM((nwg, _TILE_N, mpad), jnp.float32),
         bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
     )
     if nwg > 1:
@@ -519,6 +525,11 @@ def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
     if cfg.decode == "portable":
         scratch["a_smem"] = plgpu.SMEM((nwg, _TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
     return scratch
+
+
+def _out_smem(cfg: MgpuMatmulConfig, mpad: int):
+    """The fp32 results' staging buffer [W, 64, mpad], allocated after the K loop's buffers."""
+    return plgpu.SMEM((cfg.warpgroups, _TILE_N, mpad), jnp.float32)
 
 
 def fp4_matmul_mgpu(
@@ -562,7 +573,6 @@ def fp4_matmul_mgpu(
     kernel = plgpu.kernel(
         functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
-        scratch_types=_scratch(cfg, cfg.stages, mpad),
         grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -658,7 +668,6 @@ def fp4_grouped_matmul_mgpu(
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),
-        scratch_types=_scratch(cfg, cfg.stages, window),
         grid=(be.shape[0], n // _TILE_N),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -170,11 +170,13 @@ def test_gpu_benchmark_shapes(k, n, m):
         (128, fmm.MgpuMatmulConfig(block_k=128, stages=2, warpgroups=2)),
         (64, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
     ],
 )
 def test_gpu_register_operand_not_overwritten(m, cfg):
     # tilings whose results had NaNs while the next step's decode could overwrite the register
-    # operand of MMAs still in flight (one step per loop iteration)
+    # operand of MMAs still in flight (one step per loop iteration); the last fits in shared
+    # memory only with the output staged in the loop's buffers
     k, n = 8192, 28672
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 1)
@@ -320,3 +322,29 @@ def test_oversized_config_is_refused():
     with pytest.raises(ValueError, match="shared memory"):
         big = fmm.MgpuMatmulConfig(block_k=256, stages=4)
         fmm.fp4_matmul_mgpu(random_x(256, 1024, 0), fmm.prepack_mgpu(_weights(1024, 64, 1)), big)
+
+
+@pytest.mark.parametrize(
+    ("m", "cfg"),
+    [
+        (16, None),
+        (64, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
+        (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
+        ("grouped", None),
+    ],
+)
+def test_lowers_for_cuda(m, cfg):
+    # The GPU path (PTX decode, Mosaic GPU layout inference, the scoped buffers) lowered for
+    # CUDA on this machine: what the interpreter does not run, short of the final compile.
+    k, n = 512, 256
+    if m == "grouped":
+        w = fmm.prepack_mgpu(_experts(4, k, n, seed=1))
+        x, sizes = jnp.zeros((24, k), jnp.bfloat16), jnp.array([3, 0, 12, 9], jnp.int32)
+        fn = jax.jit(lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g))
+        args = (x, w, sizes)
+    else:
+        w = fmm.prepack_mgpu(_weights(k, n, seed=2))
+        fn = jax.jit(lambda x, w: fmm.fp4_matmul_mgpu(x, w, cfg))
+        args = (jnp.zeros((m, k), jnp.bfloat16), w)
+    text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text
