@@ -689,9 +689,9 @@ def fp4_matmul_w4a4_reference(x: jax.Array, w: QTensor | Fp4Weight) -> jax.Array
 
 Backend = Literal["auto", "pallas", "xla"]
 
-# Largest M at which the FP4 kernel was measured to beat dequantize + XLA bf16 matmul (H200,
-# BENCHMARKS.md: M=256 kernel 524 us vs 1051 us; M=1024 kernel 2094 us vs 1517 us); above it
-# the dispatcher uses XLA. The crossover between 256 and 1024 is not measured.
+# Largest M at which the FP4 kernels were measured to beat dequantize + XLA bf16 matmul (H200,
+# BENCHMARKS.md, K=8192 N=28672: M=256 tensor-core kernel 223 us vs 773 us; M=1024 Triton
+# kernel 2103 us vs 1232 us); above it the dispatcher uses XLA.
 PALLAS_MAX_ROWS = 256
 
 

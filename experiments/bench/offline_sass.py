@@ -2,7 +2,7 @@
 machine without a GPU.
 
 The Pallas Triton kernel is lowered on the CPU for the CUDA platform (JAX's own lowering, as
-on the GPU, with compute capability 9.0 given in place of a device's), its Triton IR is compiled
+on the GPU, with the H200's description given in place of a device's), its Triton IR is compiled
 for sm_90 by PyPI's ``triton`` (``pip install triton``; any environment: the IR is a file) and
 disassembled with the ``cuobjdump`` it ships; the script prints the registers per thread and
 the instructions of the largest loop (one step over ``block_k`` cache slots) by opcode. The
@@ -36,39 +36,15 @@ def triton_ir(fmt: str = "nvfp4", overrides: dict | None = None) -> tuple[str, d
     over ``default_config`` at the benchmark shape."""
     import dataclasses
 
-    import jax
-    from jax import export
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
     from experiments.bench import fp4_attention as bench
+    from pallas_kernels import cuda_lowering
     from pallas_kernels import fp4_decode_attention as fda
 
     cfg = dataclasses.replace(fda.default_config(*BENCH_SHAPE, fmt), **(overrides or {}))
-    captured = []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-    gpu_info = registration.gpu_info_lib.get_gpu_info
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    class Hopper:
-        compute_capability = "9.0"
-
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    registration.gpu_info_lib.get_gpu_info = lambda: Hopper()
-    try:
-        q, k, v, lengths = bench.make_case(2, 2 * cfg.block_k * cfg.num_splits, fmt, 1, 0)[0]
-        fn = jax.jit(lambda q, k, v, n: fda.decode_attention(q, k, v, n, config=cfg))
-        try:  # lowering is all that is needed; export then refuses the Triton custom call
-            export.export(fn, platforms=["cuda"])(q, k, v, lengths)
-        except ValueError as e:
-            if "custom calls" not in str(e):
-                raise
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-        registration.gpu_info_lib.get_gpu_info = gpu_info
+    q, k, v, lengths = bench.make_case(2, 2 * cfg.block_k * cfg.num_splits, fmt, 1, 0)[0]
+    captured = cuda_lowering.triton_modules(
+        lambda q, k, v, n: fda.decode_attention(q, k, v, n, config=cfg), q, k, v, lengths
+    )
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel in the lowering, got {len(captured)}")
     return captured[0], {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

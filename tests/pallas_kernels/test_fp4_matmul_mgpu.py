@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from kernel_checks import assert_close, random_x
 
+from pallas_kernels import cuda_lowering
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_mgpu as fmm
@@ -335,16 +336,16 @@ def test_oversized_config_is_refused():
 )
 def test_lowers_for_cuda(m, cfg):
     # The GPU path (PTX decode, Mosaic GPU layout inference, the scoped buffers) lowered for
-    # CUDA on this machine: what the interpreter does not run, short of the final compile.
+    # CUDA on this machine (cuda_lowering): what the interpreter does not run, short of the
+    # final compile.
     k, n = 512, 256
     if m == "grouped":
         w = fmm.prepack_mgpu(_experts(4, k, n, seed=1))
         x, sizes = jnp.zeros((24, k), jnp.bfloat16), jnp.array([3, 0, 12, 9], jnp.int32)
-        fn = jax.jit(lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g))
+        fn = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g)  # noqa: E731
         args = (x, w, sizes)
     else:
         w = fmm.prepack_mgpu(_weights(k, n, seed=2))
-        fn = jax.jit(lambda x, w: fmm.fp4_matmul_mgpu(x, w, cfg))
+        fn = lambda x, w: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
         args = (jnp.zeros((m, k), jnp.bfloat16), w)
-    text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, *args)

@@ -1,0 +1,82 @@
+"""Every Pallas Triton kernel lowered for CUDA on the CPU (``cuda_lowering``): the GPU-only
+paths the interpreter never runs (the PTX dequantization, Triton's block-shape rules) must
+lower; the Mosaic GPU forms are checked in ``test_fp4_matmul_mgpu.py``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import cuda_lowering
+from pallas_kernels import fp4_decode_attention as fa
+from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels import fp4_matmul as fm
+from trace_jax import fp4
+from trace_jax.rollout import kv_cache
+
+B, S, HKV, HQ, D = 2, 256, 4, 32, 128
+
+
+def _cache(fmt, seed):
+    x = jax.random.normal(jax.random.key(seed), (B, S, HKV, D))
+    qt = None
+    if fmt in ("nvfp4", "mxfp4"):
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+    return kv_cache.to_storage(fmt, x, qt)
+
+
+def _one_kernel(fn, *args) -> str:
+    modules = cuda_lowering.triton_modules(fn, *args)
+    assert len(modules) == 1, f"expected one Triton kernel, got {len(modules)}"
+    assert "tt.func" in modules[0]
+    return modules[0]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_decode_attention_lowers(fmt, heads):
+    q = jax.random.normal(jax.random.key(0), (B, HQ, D)).astype(jnp.bfloat16)
+    k, v = _cache(fmt, 1), _cache(fmt, 2)
+    lengths = jnp.array([1, S], jnp.int32)
+    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2, heads_per_program=heads)
+    ir = _one_kernel(
+        lambda q, k, v, n: fa.decode_attention(q, k, v, n, config=cfg), q, k, v, lengths
+    )
+    if fmt in ("nvfp4", "mxfp4"):
+        assert "inline_asm" in ir  # the PTX decode, not the interpreter's portable one
+
+
+def test_fused_append_lowers():
+    q = jax.random.normal(jax.random.key(0), (B, HQ, D)).astype(jnp.bfloat16)
+    new = jax.random.normal(jax.random.key(3), (B, HKV, D)).astype(jnp.bfloat16)
+    k, v = _cache("nvfp4", 1), _cache("nvfp4", 2)
+    lengths = jnp.array([0, S - 1], jnp.int32)
+    modules = cuda_lowering.triton_modules(
+        lambda q, k, v, n: fa.decode_attention_append(q, k, v, new, new, n)[0], q, k, v, lengths
+    )
+    assert any("inline_asm" in m for m in modules)
+
+
+def _dense(k=512, n=256):
+    return fp4.quantize(jax.random.normal(jax.random.key(5), (k, n)) * 0.05, "nvfp4", axis=0)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_fp4_matmul_triton_lowers(m):
+    qt = _dense()
+    w = fm.prepack(qt, mgpu=False, gemv=m == 1)  # m = 1: the one-token kernel
+    x = jnp.zeros((m, 512), jnp.bfloat16)
+    cfg = None if m == 1 else fm.default_config(m, 512, 256)
+    ir = _one_kernel(lambda x, w: fm.fp4_matmul(x, w, config=cfg), x, w)
+    assert "inline_asm" in ir
+
+
+def test_w4a4_kernel_decode_and_grouped_lower():
+    x = jnp.zeros((16, 512), jnp.bfloat16)
+    w = fm.prepack(_dense(), mgpu=False)
+    _one_kernel(lambda x, w: fm.fp4_matmul_w4a4(x, w, activation_dequant="kernel"), x, w)
+    experts = fp4.quantize(jax.random.normal(jax.random.key(6), (4, 512, 256)), "nvfp4", axis=1)
+    wg = gm.prepack_grouped(experts, mgpu=False)
+    sizes = jnp.array([3, 0, 12, 9], jnp.int32)
+    _one_kernel(lambda x, w, g: gm.fp4_grouped_matmul(x, w, g), jnp.zeros((24, 512)), wg, sizes)
