@@ -4,10 +4,9 @@
 kernels it runs layout inference and lowers the kernel body (inline PTX included) into the
 module; for Triton kernels the Pallas lowering needs the device's description (compute
 capability), given here in place of a device's, and ``triton_modules`` returns each kernel's
-Triton IR. Neither compiles
-to machine code: ptxas and the GPU runtime are the device's part. Tests use it to catch
-GPU-only lowering errors on the CPU; ``experiments/bench/offline_sass.py`` compiles the Triton IR
-with PyPI's ``triton`` to count instructions.
+Triton IR. Neither compiles to machine code: ptxas and the GPU runtime are the device's part.
+Tests use it to catch GPU-only lowering errors on the CPU; ``experiments/bench/offline_sass.py``
+compiles the Triton IR with PyPI's ``triton`` to count instructions.
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     buffers of 256, else 128, elements that fit in shared memory.
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
-    mpad = _round_up(m, _ROW_ALIGN)
     if m > 16:
+        mpad = _round_up(m, _ROW_ALIGN)
         two_wg = n % (2 * _TILE_N) == 0
         preferred = [(128, 3, 2)] if m <= 64 and two_wg else []
         preferred += [(64, 4, 1)] if m > 64 else []

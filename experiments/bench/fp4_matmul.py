@@ -832,7 +832,9 @@ def main(argv=None):
         default="",
         help="--mgpu: tilings 'block_k,stages,split_k,warpgroups;...' instead of the built-in list",
     )
-    ap.add_argument("--shapes", default="", help="--mgpu: 'K,N;...' instead of both dense shapes")
+    ap.add_argument(
+        "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -841,6 +843,8 @@ def main(argv=None):
         smoke(log)
         return 0
     t0 = time.time()
+    ms = tuple(int(v) for v in args.ms.split(","))
+    shapes = _int_tuples(args.shapes) or DENSE_SHAPES
     if args.sweep:
         sweep(log)
     elif args.grouped_sweep:
@@ -865,12 +869,10 @@ def main(argv=None):
         ]
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
-        ms = tuple(int(v) for v in args.ms.split(","))
         variants = _int_tuples(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
-        mgpu(log, variants, ms, args.fmt, _int_tuples(args.shapes) or DENSE_SHAPES)
+        mgpu(log, variants, ms, args.fmt, shapes)
     elif args.dispatch:
-        ms = tuple(int(v) for v in args.ms.split(","))
-        print_table(dispatch(log, ms, args.fmt, _int_tuples(args.shapes) or DENSE_SHAPES))
+        print_table(dispatch(log, ms, args.fmt, shapes))
     elif args.gemv:
         gemv(log, QUICK_GEMV_VARIANTS if args.quick else GEMV_VARIANTS)
     elif args.large_m:
