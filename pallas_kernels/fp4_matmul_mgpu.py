@@ -27,7 +27,9 @@ arithmetic keeps the subnormal 0.5 code), and the global scale times the inverse
 multiplies the fp32 result.
 
 ``decode="asm"`` runs the decode as PTX inside ``plgpu.inline_mgpu`` (GPU only);
-``decode="portable"`` is the same arithmetic in ``jnp`` on the loaded words, for interpret mode.
+``decode="portable"`` is the same arithmetic in ``jnp`` on the loaded words, for interpret mode;
+``decode="none"`` (a benchmark diagnostic, wrong values) hands the loaded words to the MMA as
+they are, which times the kernel without the decode arithmetic.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ _SLOTS = {
     (3, 1): (26, 27),
 }
 
-Decode = Literal["asm", "portable"]
+Decode = Literal["asm", "portable", "none"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,8 @@ class MgpuMatmulConfig:
       block_k: K elements per pipeline stage (a multiple of 64).
       stages: buffers in flight per program.
       split_k: programs that share one 64-row output tile along K (fp32 partials summed in XLA).
-      decode: "asm" (PTX, GPU only) or "portable" (jnp, interpret mode).
+      decode: "asm" (PTX, GPU only), "portable" (jnp, interpret mode) or "none" (diagnostic:
+        the code words go to the MMA undecoded; wrong values, for timing only).
       block_m: grouped form only: rows per row block of an expert (a multiple of 8); each
         block streams its expert's weight tile once.
       warpgroups: dense form: warpgroups per program, each decoding its own 64 weight rows
@@ -99,7 +102,7 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig.block_m must be a multiple of 8 <= 256: {self}")
         if self.warpgroups not in (1, 2, 3):
             raise ValueError(f"MgpuMatmulConfig.warpgroups must be 1, 2 or 3: {self}")
-        if self.decode not in ("asm", "portable"):
+        if self.decode not in ("asm", "portable", "none"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
 
 
@@ -138,16 +141,20 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
     two, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
     17-64 rows: two warpgroups share each 128-element activation tile, 3 buffers (78.0 vs
-    92.0 us at M=64 K=8192 N=28672). 65-256 rows: 64-element steps, 4 buffers, one warpgroup
-    (122.8 / 222.8 us at M=128 / 256, K=8192 N=28672). A shape these do not fit takes the most
-    buffers of 256, else 128, elements that fit in shared memory.
+    92.0 us at M=64 K=8192 N=28672). 65-128 rows: two warpgroups, 64-element steps, 4 buffers
+    (109.4 vs 127.2 us at M=128); 129-256 rows: two warpgroups, 128-element steps, 3 buffers
+    (185.2 vs 225.9 us at M=256); one warpgroup with 64-element steps and 4 buffers where N is
+    not a multiple of 128. A shape these do not fit takes the most buffers of 256, else 128,
+    elements that fit in shared memory.
     """
     block_k = 256 if k % 256 == 0 else _CHUNK
     if m > 16:
         mpad = _round_up(m, _ROW_ALIGN)
         two_wg = n % (2 * _TILE_N) == 0
-        preferred = [(128, 3, 2)] if m <= 64 and two_wg else []
-        preferred += [(64, 4, 1)] if m > 64 else []
+        if two_wg:
+            preferred = [(128, 3, 2)] if m <= 64 else [(64, 4, 2)] if m <= 128 else [(128, 3, 2)]
+        else:
+            preferred = [(64, 4, 1)] if m > 64 else []
         fallback = ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (_CHUNK, 2))
         for bk, stages, wgs in (*preferred, *((bk, st, 1) for bk, st in fallback)):
             cfg = MgpuMatmulConfig(block_k=bk, stages=stages, warpgroups=wgs)
@@ -290,9 +297,10 @@ mul.rn.bf16x2 $3, a, sb;
 """
 
 
-def _decode_asm(words_ref, scales_ref, scale_format):
+def _decode_asm(words_ref, scales_ref, scale_format, arithmetic=True):
     """[2, 256] uint32 code words and [64] uint32 scale words (shared memory) -> the bf16
-    [64, 64] operand tile in the ``wgmma`` register layout."""
+    [64, 64] operand tile in the ``wgmma`` register layout (``arithmetic=False``: the loaded
+    words themselves, for timing without the decode)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental import mosaic as mgpu_pkg  # noqa: F401
@@ -324,6 +332,13 @@ def _decode_asm(words_ref, scales_ref, scale_format):
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_TILE_N, _CHUNK)), dtype=object)
         for j in range(4):
             word = vector.extract(words, [], [j])
+            if not arithmetic:
+                for p in range(4):
+                    bits = word if p % 2 == 0 else arith.xori(word, s0 if p < 2 else s1)
+                    regs[0, 2 * j + p // 2, 0, 0, p % 2, 0, 0, 0, 0] = mgpu_utils.bitcast(
+                        bits, pair
+                    )
+                continue
             asm = _asm_word(j, scale_format)
             out = llvm.inline_asm(struct, [word, s0, s1], asm, "=r,=r,=r,=r,r,r,r")
             for p in range(4):
@@ -383,8 +398,10 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
     collective = ("wg",) if nwg > 1 else ()
     chunks = cfg.block_k // _CHUNK
     decode = functools.partial(
-        _decode_asm if cfg.decode == "asm" else _decode_portable, scale_format=scale_format
+        _decode_portable if cfg.decode == "portable" else _decode_asm, scale_format=scale_format
     )
+    if cfg.decode == "none":
+        decode = functools.partial(decode, arithmetic=False)
 
     def k_loop(x_smem, w_smem, s_smem, bar, consumed=None, a_smem=None):
         def issue(step, slot):
@@ -532,6 +549,27 @@ def _out_smem(cfg: MgpuMatmulConfig, mpad: int):
     return plgpu.SMEM((cfg.warpgroups, _TILE_N, mpad), jnp.float32)
 
 
+def dense_partials(
+    xp: jax.Array, w: MgpuWeight, cfg: MgpuMatmulConfig, *, interpret: bool = False
+) -> jax.Array:
+    """The kernel alone: xp [mpad, K] bf16 (mpad a multiple of 8), W [K, N] prepacked ->
+    [split_k, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale."""
+    (mpad, k), n = xp.shape, w.shape[1]
+    steps = k // (cfg.block_k * cfg.split_k)
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
+    _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
+    threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
+    kernel = plgpu.kernel(
+        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
+        out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
+        grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
+        grid_names=("n", "k"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
+    )
+    return kernel(xp, w.words, w.scales)
+
+
 def fp4_matmul_mgpu(
     x: jax.Array,
     w: MgpuWeight,
@@ -566,19 +604,7 @@ def fp4_matmul_mgpu(
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
     if n % (_TILE_N * cfg.warpgroups):
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
-    steps = k // (cfg.block_k * cfg.split_k)
-    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
-    _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
-    threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
-    kernel = plgpu.kernel(
-        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
-        grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
-        grid_names=("n", "k"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        **threads,
-    )
-    part = kernel(xp, w.words, w.scales)
+    part = dense_partials(xp, w, cfg, interpret=interpret)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
     if row_scale is not None:
         y = y * row_scale.astype(jnp.float32)[None, :]

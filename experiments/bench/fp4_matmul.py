@@ -7,6 +7,7 @@
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu     # tensor-core kernel, M<=64
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu --quick  # defaults only
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --grouped-mgpu  # MoE: both kernels
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --bounds --ms 1,16  # what bounds it
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
@@ -688,13 +689,13 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
     return rows
 
 
-MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups); None: the shape's default
+MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups, decode); None: the shape's default
     None,
-    (256, 3, 4, 1),
-    (128, 4, 1, 1),
-    (128, 3, 1, 2),
-    (256, 2, 1, 2),
-    (128, 4, 2, 2),
+    (256, 3, 4, 1, "asm"),
+    (128, 4, 1, 1, "asm"),
+    (128, 3, 1, 2, "asm"),
+    (256, 2, 1, 2, "asm"),
+    (128, 4, 2, 2, "asm"),
 )
 
 
@@ -731,16 +732,18 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
                 cfg = (
                     fmm.default_config(m, k, n)
                     if v is None
-                    else fmm.MgpuMatmulConfig(*v[:3], warpgroups=v[3])
+                    else fmm.MgpuMatmulConfig(*v[:3], warpgroups=v[3], decode=v[4])
                 )
                 fn = lambda x, w, cfg=cfg: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
                 try:
-                    ok = check(f"mgpu m={m} k={k} {cfg}", fn(xs[0], mw[0]), ref, log)
+                    y = fn(xs[0], mw[0])  # the diagnostic decode's values are wrong: not checked
+                    ok = cfg.decode == "none" or check(f"mgpu m={m} k={k} {cfg}", y, ref, log)
                     t = time_op(fn, list(zip(xs, mw, strict=True))) if ok else float("nan")
                 except Exception as e:
                     print(f"mgpu m={m} k={k} {cfg}: {type(e).__name__}: {str(e)[:600]}", flush=True)
                     t = float("nan")
                 label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]} wg={v[3]}"
+                label += " no decode" if cfg.decode == "none" else ""
                 print(f"  mgpu k={k} m={m} {label}: {t * 1e6:.1f} us x{tb / t:.2f}", flush=True)
                 log.append(dict(mgpu=label, k=k, m=m, us=t * 1e6, bf16_us=tb * 1e6))
                 rows.append((f"{fmt} mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
@@ -768,6 +771,66 @@ def dispatch(log, ms, fmt="nvfp4", shapes=DENSE_SHAPES):
             )
             rows.append((f"{fmt} fp4_matmul (dispatch)", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
         del case
+    return rows
+
+
+def bounds(log, ms, shapes):
+    """What bounds the tensor-core kernel: at each shape and M, the whole op (``fp4_matmul``:
+    padding, kernel, split-K sum, scales, transpose), the kernel alone
+    (``fmm.dense_partials``), the kernel without the decode arithmetic (``decode="none"``),
+    and XLA reading the same weight bytes (a sum over the code words and scales); each as a
+    fraction of 4.8 TB/s on the weight bytes."""
+    rows = []
+    for k, n in shapes:
+        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        mw = [p.mgpu for p in case.packed]
+        wbytes = mw[0].words.nbytes + mw[0].scales.nbytes
+        read = lambda w: jnp.sum(w.words, dtype=jnp.uint32) + jnp.sum(w.scales, dtype=jnp.uint32)  # noqa: E731
+        t_read = time_op(read, [(w,) for w in mw])
+        for m in ms:
+            cfg = fmm.default_config(m, k, n)
+            xs = [make_x(m, k, 5 + i) for i in range(SETS)]
+            xps = [jnp.pad(x, ((0, -m % 8), (0, 0))) for x in xs]
+            ok = check(
+                f"bounds m={m} k={k}",
+                fm.fp4_matmul(xs[0], case.packed[0]),
+                fm.fp4_matmul_reference(xs[0], case.packed[0]),
+                log,
+            )
+            tb = min(
+                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
+                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
+            )
+            bare = dataclasses.replace(cfg, decode="none")
+            pairs = list(zip(xps, mw, strict=True))
+            times = dict(
+                whole=time_op(fm.fp4_matmul, list(zip(xs, case.packed, strict=True))),
+                kernel=time_op(lambda x, w, c=cfg: fmm.dense_partials(x, w, c), pairs),
+                no_decode=time_op(lambda x, w, c=bare: fmm.dense_partials(x, w, c), pairs),
+                xla_read=t_read,
+            )
+            if not ok:
+                times["whole"] = float("nan")
+            log.append(
+                dict(bounds=f"k={k} m={m}", cfg=str(cfg), **{a: t * 1e6 for a, t in times.items()})
+            )
+            print(
+                f"  bounds k={k} m={m} {cfg}: "
+                + ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in times.items())
+                + f", XLA bf16 {tb * 1e6:.1f} us",
+                flush=True,
+            )
+            rows.append((k, n, m, times, tb, wbytes))
+        del case, mw
+    print(
+        "\n| K | N | M | whole op (us) | kernel alone | kernel, no decode | XLA read of the "
+        "weight bytes | XLA bf16 | HBM % on weight bytes (whole / kernel / no decode / read) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for k, n, m, t, tb, wb in rows:
+        pct = " / ".join(f"{100 * wb / v / HBM_BYTES_PER_S:.0f}" for v in t.values())
+        vals = " | ".join(f"{v * 1e6:.1f}" for v in t.values())
+        print(f"| {k} | {n} | {m} | {vals} | {tb * 1e6:.1f} | {pct} |")
     return rows
 
 
@@ -811,6 +874,20 @@ def _int_tuples(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.split(",")) for t in text.split(";")] if text else []
 
 
+def _mgpu_variants(text: str) -> list[tuple]:
+    """'256,3,2,1;256,3,2,1,none' -> [(256, 3, 2, 1, "asm"), (256, 3, 2, 1, "none")]: block_k,
+    stages, split_k, warpgroups and an optional decode ("none": the diagnostic without it)."""
+    out = []
+    for t in text.split(";") if text else []:
+        *nums, last = t.split(",")
+        decode = last if not last.isdigit() else "asm"
+        nums = [int(v) for v in (nums if not last.isdigit() else [*nums, last])]
+        if len(nums) != 4:
+            raise SystemExit(f"--variants: 'block_k,stages,split_k,warpgroups[,decode]', got {t!r}")
+        out.append((*nums, decode))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
@@ -825,12 +902,15 @@ def main(argv=None):
     ap.add_argument("--mgpu", action="store_true", help="FP4 tensor-core kernel, M <= 256")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--dispatch", action="store_true", help="fp4_matmul's default route vs XLA")
-    ap.add_argument("--ms", default="1,16,64", help="--mgpu, --dispatch: the token counts M")
+    ap.add_argument("--bounds", action="store_true", help="whole op, kernel, no decode, XLA read")
+    ap.add_argument(
+        "--ms", default="1,16,64", help="--mgpu, --dispatch, --bounds: the token counts M"
+    )
     ap.add_argument("--fmt", default="nvfp4", help="--mgpu: nvfp4 or mxfp4")
     ap.add_argument(
         "--variants",
         default="",
-        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups;...' instead of the built-in list",
+        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none];...' (none: no decode)",
     )
     ap.add_argument(
         "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"
@@ -869,8 +949,10 @@ def main(argv=None):
         ]
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
-        variants = _int_tuples(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
+        variants = _mgpu_variants(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
         mgpu(log, variants, ms, args.fmt, shapes)
+    elif args.bounds:
+        bounds(log, ms, shapes)
     elif args.dispatch:
         print_table(dispatch(log, ms, args.fmt, shapes))
     elif args.gemv:

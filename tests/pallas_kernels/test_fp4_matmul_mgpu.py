@@ -304,9 +304,11 @@ def test_one_row_default_config_runs():
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
 
 
-@pytest.mark.parametrize(("m", "n", "warpgroups"), [(40, 128, 2), (40, 64, 1), (200, 64, 1)])
+@pytest.mark.parametrize(
+    ("m", "n", "warpgroups"), [(40, 128, 2), (40, 64, 1), (200, 64, 1), (100, 128, 2)]
+)
 def test_tall_default_configs_run(m, n, warpgroups):
-    # 17-64 rows: two warpgroups where N has whole 128-row tiles; the default fits shared memory
+    # 17-256 rows: two warpgroups where N has whole 128-row tiles; the default fits shared memory
     k = 256
     cfg = fmm.default_config(m, k, n)
     assert cfg.warpgroups == warpgroups
@@ -316,6 +318,15 @@ def test_tall_default_configs_run(m, n, warpgroups):
     assert_close(
         fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True), fm.fp4_matmul_reference(x, qt)
     )
+
+
+@pytest.mark.parametrize("m", [17, 64, 65, 128, 129, 200, 256])
+@pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336), (2048, 1536)])
+def test_default_configs_fit_shared_memory(m, k, n):
+    cfg = fmm.default_config(m, k, n)
+    assert k % (cfg.block_k * cfg.split_k) == 0
+    assert fmm._smem_bytes(cfg, cfg.stages, fmm._round_up(m, 8)) <= fmm._SMEM_LIMIT
+    assert cfg.warpgroups == 2  # N is whole 128-row tiles in every shape here
 
 
 def test_oversized_config_is_refused():
