@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp4_activation as fact
 from pallas_kernels import fp4_matmul_gemv as fmv
 from pallas_kernels import fp4_matmul_mgpu as fmm
 from trace_jax import fp4
@@ -602,7 +603,7 @@ def fp4_matmul_w4a4(
     *,
     config: Fp4MatmulConfig | fmm.MgpuMatmulConfig | None = None,
     interpret: bool = False,
-    activation_dequant: Literal["xla", "kernel"] = "xla",
+    activation_dequant: Literal["before", "kernel"] = "before",
 ) -> jax.Array:
     """``dequantize(quantize_activation(x)) @ dequantize(w)``, fp32 accumulation (W4A4).
 
@@ -610,45 +611,50 @@ def fp4_matmul_w4a4(
       x: [M, K] bf16 activations (quantized here with ``quantize_activation``), or that
         ``QTensor`` already.
       w: weight [K, N] ``QTensor`` (axis 0) or its ``prepack``.
-      activation_dequant: "xla" (default): the activation's exact bf16 values
-        ``code * block_scale`` are formed once in XLA and the per-token scale multiplies the
-        fp32 split-K sum before the one bf16 rounding; "kernel": every program decodes the
-        activation's codes itself (x moves as 4.5 bits, but each N block repeats the decode).
-        With "xla", a compiled call with the tensor-core layout (``prepack``) and M <=
-        ``MGPU_MAX_ROWS``, or an ``MgpuMatmulConfig``, multiplies those values in
-        ``fp4_matmul_mgpu``.
+      activation_dequant: "before" (default): the activation's exact bf16 values
+        ``code * block_scale`` are formed once before the matmul (from x by one fused kernel,
+        ``fp4_activation.quantize_activation_blocks``; from a ``QTensor`` in XLA) and the
+        per-token scale multiplies the fp32 sums before the one bf16 rounding; "kernel": every
+        program of the Triton kernel decodes the activation's codes itself (x moves as 4.5
+        bits, but each N block repeats the decode). With "before", a compiled call with the
+        tensor-core layout (``prepack``) and M <= ``MGPU_MAX_ROWS``, or an
+        ``MgpuMatmulConfig``, multiplies those values in ``fp4_matmul_mgpu``.
     Returns:
       [M, N] bf16.
     """
     w = _as_weight(w)
     k, n = w.shape
-    xq = x if isinstance(x, QTensor) else quantize_activation(x)
-    if xq.fmt != fp4.NVFP4 or xq.axis != 1 or xq.shape[1] != k:
-        raise ValueError(f"fp4_matmul_w4a4: activation must be NVFP4 [M, {k}] along axis 1")
-    m = xq.shape[0]
-    if config is None and activation_dequant == "xla" and not interpret:
+    if activation_dequant not in ("before", "kernel"):
+        raise ValueError(
+            f"fp4_matmul_w4a4: activation_dequant must be 'before' or 'kernel', "
+            f"got {activation_dequant!r}"
+        )
+    m = x.shape[0]
+    if isinstance(x, QTensor) or activation_dequant == "kernel":
+        xq = x if isinstance(x, QTensor) else quantize_activation(x)
+        if xq.fmt != fp4.NVFP4 or xq.axis != 1 or xq.shape[1] != k:
+            raise ValueError(f"fp4_matmul_w4a4: activation must be NVFP4 [M, {k}] along axis 1")
+    elif x.shape != (m, k):
+        raise ValueError(f"fp4_matmul_w4a4: x has shape {x.shape}, weight needs [M, {k}]")
+    if config is None and activation_dequant == "before" and not interpret:
         config = _mgpu_default(w, m)
     mgpu = isinstance(config, fmm.MgpuMatmulConfig)
-    if mgpu and (w.mgpu is None or activation_dequant != "xla"):
+    if mgpu and (w.mgpu is None or activation_dequant != "before"):
         raise ValueError(
             "fp4_matmul_w4a4: an MgpuMatmulConfig needs prepack(w, mgpu=True) and "
-            "activation_dequant='xla'"
+            "activation_dequant='before'"
         )
     cfg = config or default_config(m, k, n)
-    row_scale = jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
     if activation_dequant == "kernel":
+        row_scale = jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
         x_scales = jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8)
         x_out = row_scale * np.float32(2.0 ** (126 - _NVFP4_SCALE_OFFSET))
         return _call([xq.codes, x_scales, x_out], w, m, cfg, interpret, w4a4=True)
-    # code * block scale without the global scale: <= 6 significant bits, exact in bf16.
-    # The E4M3 scales are read back from their bytes: XLA on the GPU may otherwise skip the
-    # float32 -> float8 -> float32 rounding of a fused quantize+decode (excess precision).
-    codes = fp4.unpacked_codes(xq)
-    scale_bits = _scale_f32_bits(
-        jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8), jnp.int32(112), fp4.NVFP4
-    )
-    scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float32)[..., None]
-    x_blocks = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
+    # code * block scale without the global scale: <= 6 significant bits, exact in bf16
+    if isinstance(x, QTensor):
+        x_blocks, row_scale = fact.activation_blocks(x)
+    else:
+        x_blocks, row_scale = fact.quantize_activation_blocks(x, interpret=interpret)
     if mgpu:
         return fmm.fp4_matmul_mgpu(x_blocks, w.mgpu, cfg, row_scale=row_scale, interpret=interpret)
     # The per-token scale multiplies the fp32 sum of the K-split partials, before the one bf16

@@ -8,6 +8,7 @@
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --mgpu --quick  # defaults only
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --grouped-mgpu  # MoE: both kernels
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --bounds --ms 1,16  # what bounds it
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --w4a4 --ms 1,16,64  # W4A4 vs W4A16
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --smoke    # tiny shapes, CPU interpret
 
 Method (shared/BENCHMARKING.md): every kernel is first compared with its pure-JAX reference on
@@ -190,8 +191,11 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
     The diagnostic "bytes_only" decode is timed without the check (its values are wrong).
     """
     xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
-    if w4a4:
-        mode = w4a4 if isinstance(w4a4, str) else "xla"
+    if w4a4 == "xla":  # the activation quantized and decoded by XLA, then the same matmul
+        fn = lambda x, w: fm.fp4_matmul_w4a4(fm.quantize_activation(x), w, config=config)  # noqa: E731
+        ref = fm.fp4_matmul_w4a4_reference(xs[0], case.packed[0])
+    elif w4a4:
+        mode = w4a4 if isinstance(w4a4, str) else "before"
         fn = lambda x, w: fm.fp4_matmul_w4a4(  # noqa: E731
             x, w, config=config, activation_dequant=mode
         )
@@ -602,7 +606,7 @@ def table(log, configs=None):
                 t = run_fp4(case, m, log, seed=9, config=cfg, label="table")
                 rows.append((f"dense W4A16 {fmt}", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt)))
                 if fmt == "nvfp4":
-                    for mode in ("xla", "kernel"):
+                    for mode in ("before", "kernel"):
                         t4 = run_fp4(case, m, log, seed=9, config=cfg, w4a4=mode, label="table")
                         rows.append(
                             (
@@ -774,6 +778,35 @@ def dispatch(log, ms, fmt="nvfp4", shapes=DENSE_SHAPES):
     return rows
 
 
+def w4a4_rows(log, ms, shapes):
+    """W4A4 against W4A16 at the default routes: the activation quantized by the fused kernel
+    (``fp4_activation``, the default) and by XLA (``quantize_activation``, then the same
+    matmul); each row printed as measured."""
+    rows = []
+    for k, n in shapes:
+        case = make_dense(k, n, "nvfp4", SETS, seed=1)
+        for m in ms:
+            xs = [make_x(m, k, 5 + i) for i in range(SETS)]
+            tb = min(
+                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
+                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
+            )
+            t16 = run_fp4(case, m, log, seed=9, label="w4a16")
+            t4 = run_fp4(case, m, log, seed=9, w4a4="before", label="w4a4 fused")
+            tx = run_fp4(case, m, log, seed=9, w4a4="xla", label="w4a4 xla")
+            print(
+                f"  k={k} m={m}: W4A16 {t16 * 1e6:.1f} us, W4A4 fused {t4 * 1e6:.1f} us "
+                f"({100 * (t4 / t16 - 1):+.0f} %), W4A4 XLA-quantized {tx * 1e6:.1f} us "
+                f"({100 * (tx / t16 - 1):+.0f} %), XLA bf16 {tb * 1e6:.1f} us",
+                flush=True,
+            )
+            for name, t, w4 in (("W4A16", t16, False), ("W4A4 fused", t4, True),
+                                ("W4A4 XLA-quantized", tx, True)):  # fmt: skip
+                rows.append((f"nvfp4 {name}", k, n, m, t, tb, fp4_bytes(m, k, n, "nvfp4", w4)))
+        del case
+    return rows
+
+
 def bounds(log, ms, shapes):
     """What bounds the tensor-core kernel: at each shape and M, the whole op (``fp4_matmul``:
     padding, kernel, split-K sum, scales, transpose), the kernel alone
@@ -902,9 +935,10 @@ def main(argv=None):
     ap.add_argument("--mgpu", action="store_true", help="FP4 tensor-core kernel, M <= 256")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--dispatch", action="store_true", help="fp4_matmul's default route vs XLA")
+    ap.add_argument("--w4a4", action="store_true", help="W4A4 (fused / XLA quantize) vs W4A16")
     ap.add_argument("--bounds", action="store_true", help="whole op, kernel, no decode, XLA read")
     ap.add_argument(
-        "--ms", default="1,16,64", help="--mgpu, --dispatch, --bounds: the token counts M"
+        "--ms", default="1,16,64", help="--mgpu, --dispatch, --bounds, --w4a4: the token counts M"
     )
     ap.add_argument("--fmt", default="nvfp4", help="--mgpu: nvfp4 or mxfp4")
     ap.add_argument(
@@ -951,6 +985,8 @@ def main(argv=None):
     elif args.mgpu:
         variants = _mgpu_variants(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
         mgpu(log, variants, ms, args.fmt, shapes)
+    elif args.w4a4:
+        print_table(w4a4_rows(log, ms, shapes))
     elif args.bounds:
         bounds(log, ms, shapes)
     elif args.dispatch:

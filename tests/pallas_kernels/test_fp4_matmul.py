@@ -55,7 +55,7 @@ def test_matches_reference(fmt, m, k, n, cfg):
     assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
-@pytest.mark.parametrize("mode", ["xla", "kernel"])
+@pytest.mark.parametrize("mode", ["before", "kernel"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_w4a4_matches_reference(fmt, mode):
     m, k, n = 7, 256, 64
@@ -219,7 +219,7 @@ def test_gpu_benchmark_shapes(fmt, k, n, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["xla", "kernel"])
+@pytest.mark.parametrize("mode", ["before", "kernel"])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_w4a4(mode, m):
     k, n = 4096, 14336
