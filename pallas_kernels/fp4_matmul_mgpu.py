@@ -82,8 +82,8 @@ class MgpuMatmulConfig:
         the code words go to the MMA undecoded; wrong values, for timing only).
       block_m: grouped form only: rows per row block of an expert (a multiple of 8); each
         block streams its expert's weight tile once.
-      warpgroups: dense form: warpgroups per program, each decoding its own 64 weight rows
-        against one shared activation buffer (less shared memory per weight row at large M).
+      warpgroups: warpgroups per program, each decoding its own 64 weight rows against one
+        shared activation buffer (less shared memory and fewer activation reads per weight row).
     """
 
     block_k: int = 256
@@ -516,9 +516,9 @@ def _grouped_kernel(
     def _():
         _stream(
             x_gmem.at[pl.ds(row, cfg.block_m + _ROW_ALIGN)],
-            w_gmem.at[e, pl.ds(tn, 1)],
-            s_gmem.at[e, pl.ds(tn, 1)],
-            o_gmem.at[b, pl.ds(tn * _TILE_N, _TILE_N)],
+            w_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
+            s_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
+            o_gmem.at[b, pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)],
             cfg=cfg,
             steps=steps,
             k0=0,
@@ -647,6 +647,36 @@ def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     return be, starts[be] + j * block_m, valid, re, rblock, off % block_m, r < jnp.sum(sizes)
 
 
+def grouped_partials(
+    xp: jax.Array,
+    w: MgpuWeight,
+    be: jax.Array,
+    brow: jax.Array,
+    valid: jax.Array,
+    cfg: MgpuMatmulConfig,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """The grouped kernel alone: xp [T', K] bf16 (rows sorted by expert, padded so that every
+    window of ``block_m + 8`` rows from a block's first row fits), per row block its expert
+    ``be``, first row ``brow`` (a multiple of 8) and valid row count ``valid`` [B] int32 ->
+    [B, N, block_m + 8] float32, block b's window of rows times its expert's weight (before
+    the output scale; blocks with ``valid == 0`` are not written)."""
+    _, k, n = w.shape
+    steps = k // cfg.block_k
+    window = cfg.block_m + _ROW_ALIGN
+    threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
+    kernel = plgpu.kernel(
+        functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
+        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),
+        grid=(be.shape[0], n // (_TILE_N * cfg.warpgroups)),
+        grid_names=("b", "n"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
+    )
+    return kernel(be, brow, valid, xp, w.words, w.scales)
+
+
 def fp4_grouped_matmul_mgpu(
     x: jax.Array,
     w: MgpuWeight,
@@ -681,23 +711,47 @@ def fp4_grouped_matmul_mgpu(
         raise ValueError(f"fp4_grouped_matmul_mgpu: K={k} is not a multiple of {cfg.block_k}")
     bm = cfg.block_m
     steps = k // cfg.block_k
-    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1, warpgroups=1)
+    if n % (_TILE_N * cfg.warpgroups):
+        raise ValueError(
+            f"fp4_grouped_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}"
+        )
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1)
     _check_smem(cfg, cfg.stages, bm + _ROW_ALIGN, "fp4_grouped_matmul_mgpu")
-    be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, t, bm)
-    # A block reads the window of bm + 8 rows from its first row rounded down to a multiple of
-    # 8 (TMA into the tiled buffer needs aligned starts); its rows sit at brow % 8 on.
-    window = bm + _ROW_ALIGN
-    rpos = rpos + brow[rblock] % _ROW_ALIGN
-    brow = brow - brow % _ROW_ALIGN
-    # every window fits, and the row count is whole tiles
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, window + -t % _ROW_ALIGN), (0, 0)))
-    kernel = plgpu.kernel(
-        functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),
-        grid=(be.shape[0], n // _TILE_N),
-        grid_names=("b", "n"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    plan = grouped_plan(group_sizes, t, bm)
+    xp = pad_rows_for_windows(x, bm)
+    part = grouped_partials(
+        xp, w, plan.expert, plan.first_row, plan.valid, cfg, interpret=interpret
     )
-    part = kernel(be, brow, valid, xp, w.words, w.scales)
-    y = part[rblock, :, rpos] * w.out_scale[re]
-    return jnp.where(rmask[:, None], y, 0).astype(jnp.bfloat16)
+    y = part[plan.row_block, :, plan.row_pos] * w.out_scale[plan.row_expert]
+    return jnp.where(plan.row_mask[:, None], y, 0).astype(jnp.bfloat16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedPlan:
+    """Row blocks of a routing (``grouped_plan``): per block [B] int32 its expert, first row
+    (a multiple of 8: the start of its TMA window) and valid rows; per row [T] its block,
+    position in that block's window, expert, and whether it is routed at all (bool)."""
+
+    expert: jax.Array
+    first_row: jax.Array
+    valid: jax.Array
+    row_block: jax.Array
+    row_pos: jax.Array
+    row_expert: jax.Array
+    row_mask: jax.Array
+
+
+def grouped_plan(group_sizes: jax.Array, rows: int, block_m: int) -> GroupedPlan:
+    """Each expert's rows cut into blocks of ``block_m``; a block reads the window of
+    ``block_m + 8`` rows from its first row rounded down to a multiple of 8 (TMA into the tiled
+    buffer needs aligned starts), its rows at ``first % 8`` on."""
+    be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, rows, block_m)
+    rpos = rpos + brow[rblock] % _ROW_ALIGN
+    return GroupedPlan(be, brow - brow % _ROW_ALIGN, valid, rblock, rpos, re, rmask)
+
+
+def pad_rows_for_windows(x: jax.Array, block_m: int) -> jax.Array:
+    """x [T, K] -> bf16 [T', K] with zero rows after it: every window fits, whole 8-row tiles."""
+    t = x.shape[0]
+    return jnp.pad(x.astype(jnp.bfloat16), ((0, block_m + _ROW_ALIGN + -t % _ROW_ALIGN), (0, 0)))

@@ -807,6 +807,83 @@ def w4a4_rows(log, ms, shapes):
     return rows
 
 
+def grouped_bounds(log, token_counts=(16, 64), variants=()):
+    """The grouped tensor-core kernel at its default: the whole op (routing plan, padding,
+    kernel, gather and scales in XLA) against the kernel alone (``fmm.grouped_partials`` on a
+    plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes.
+    ``variants``: (block_k, stages, block_m, warpgroups) tilings whose whole op is timed too."""
+    rows = []
+    for k, n in GROUPED_SHAPES:
+        packed, wb = [], []
+        for s in range(SETS):
+            w = jax.random.normal(jax.random.key(50 + s), (EXPERTS, k, n), jnp.float32) * 0.02
+            qt = fp4.quantize(w, "nvfp4", axis=1)
+            packed.append(jax.block_until_ready(gm.prepack_grouped(qt, mgpu=True)))
+            wb.append(w.astype(jnp.bfloat16))
+            del w
+        for tokens in token_counts:
+            t_rows = tokens * TOP_K
+            gss = [route(tokens, 7 * tokens + i) for i in range(SETS)]
+            xs = [make_x(t_rows, k, 90 + i) for i in range(SETS)]
+            cfg = fmm.default_grouped_config(t_rows, EXPERTS, k)
+            plans = [fmm.grouped_plan(g, t_rows, cfg.block_m) for g in gss]
+            xps = [fmm.pad_rows_for_windows(x, cfg.block_m) for x in xs]
+            ragged = lambda x, w, g: jax.lax.ragged_dot(  # noqa: E731
+                x, w, g, preferred_element_type=jnp.float32
+            ).astype(jnp.bfloat16)
+            whole = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g)  # noqa: E731
+            ok = check(
+                f"grouped bounds k={k} tokens={tokens}",
+                whole(xs[0], packed[0], gss[0]),
+                gm.fp4_grouped_matmul_reference(xs[0], packed[0], gss[0]),
+                log,
+            )
+            kern = lambda x, w, p, c=cfg: fmm.grouped_partials(  # noqa: E731
+                x, w.mgpu, p.expert, p.first_row, p.valid, c
+            )
+            times = dict(
+                whole=time_op(whole, list(zip(xs, packed, gss, strict=True))) if ok else np.nan,
+                kernel=time_op(kern, list(zip(xps, packed, plans, strict=True))),
+                ragged_dot_bf16=time_op(ragged, list(zip(xs, wb, gss, strict=True))),
+            )
+            for bk, st, bm, wg in variants:
+                c = fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm, warpgroups=wg)
+                fn = lambda x, w, g, c=c: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
+                try:
+                    y = fn(xs[0], packed[0], gss[0])
+                    ref = gm.fp4_grouped_matmul_reference(xs[0], packed[0], gss[0])
+                    ok = check(f"grouped k={k} tokens={tokens} {c}", y, ref, log)
+                    t = time_op(fn, list(zip(xs, packed, gss, strict=True))) if ok else np.nan
+                except Exception as e:
+                    print(f"grouped {c}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    t = float("nan")
+                print(f"  grouped k={k} tokens={tokens} bk={bk} st={st} bm={bm} wg={wg}: "
+                      f"{t * 1e6:.1f} us", flush=True)  # fmt: skip
+                log.append(dict(grouped=f"k={k} tokens={tokens}", cfg=str(c), us=t * 1e6))
+            active = int(np.count_nonzero(np.asarray(gss[0])))
+            wbytes = active * (n * k // 2 + n * k // 16 + 4 * n)
+            log.append(dict(grouped_bounds=f"k={k} tokens={tokens}", cfg=str(cfg),
+                            **{a: t * 1e6 for a, t in times.items()}))  # fmt: skip
+            print(
+                f"  grouped k={k} tokens={tokens} ({active} experts) {cfg}: "
+                + ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in times.items()),
+                flush=True,
+            )
+            rows.append((k, n, tokens, active, times, wbytes))
+        del packed, wb
+    print("\n| K | N | tokens | experts hit | whole op (us) | kernel alone | ragged_dot bf16 | "
+          "speedup (whole / kernel) | HBM % on expert bytes (whole / kernel) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for k, n, tokens, active, t, wb in rows:
+        tw, tk, tb = t["whole"], t["kernel"], t["ragged_dot_bf16"]
+        print(
+            f"| {k} | {n} | {tokens} | {active} | {tw * 1e6:.1f} | {tk * 1e6:.1f} | "
+            f"{tb * 1e6:.1f} | {tb / tw:.2f}x / {tb / tk:.2f}x | "
+            f"{100 * wb / tw / HBM_BYTES_PER_S:.0f} / {100 * wb / tk / HBM_BYTES_PER_S:.0f} |"
+        )
+    return rows
+
+
 def bounds(log, ms, shapes):
     """What bounds the tensor-core kernel: at each shape and M, the whole op (``fp4_matmul``:
     padding, kernel, split-K sum, scales, transpose), the kernel alone
@@ -936,6 +1013,9 @@ def main(argv=None):
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--dispatch", action="store_true", help="fp4_matmul's default route vs XLA")
     ap.add_argument("--w4a4", action="store_true", help="W4A4 (fused / XLA quantize) vs W4A16")
+    ap.add_argument(
+        "--grouped-bounds", action="store_true", help="grouped: whole op vs kernel (--ms: tokens)"
+    )
     ap.add_argument("--bounds", action="store_true", help="whole op, kernel, no decode, XLA read")
     ap.add_argument(
         "--ms", default="1,16,64", help="--mgpu, --dispatch, --bounds, --w4a4: the token counts M"
@@ -944,7 +1024,8 @@ def main(argv=None):
     ap.add_argument(
         "--variants",
         default="",
-        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none];...' (none: no decode)",
+        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none];...' (none: no decode); "
+        "--grouped-bounds: 'block_k,stages,block_m,warpgroups;...'",
     )
     ap.add_argument(
         "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"
@@ -989,6 +1070,8 @@ def main(argv=None):
         print_table(w4a4_rows(log, ms, shapes))
     elif args.bounds:
         bounds(log, ms, shapes)
+    elif args.grouped_bounds:
+        grouped_bounds(log, ms, _int_tuples(args.variants))
     elif args.dispatch:
         print_table(dispatch(log, ms, args.fmt, shapes))
     elif args.gemv:

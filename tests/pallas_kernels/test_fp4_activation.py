@@ -55,7 +55,7 @@ def test_values_times_scale_dequantize():
 
 def test_non_finite_row_gets_nan_scale():
     x = _rows(3, 256, seed=2).at[1, 40].set(jnp.nan).at[2, 3].set(-jnp.inf)
-    v, s = fact.quantize_activation_blocks(x, interpret=True)
+    _, s = fact.quantize_activation_blocks(x, interpret=True)
     assert np.isnan(np.asarray(s)[1:]).all() and np.isfinite(np.asarray(s)[0])
     _, sr = fact.quantize_activation_blocks_reference(x)
     np.testing.assert_array_equal(np.isnan(np.asarray(s)), np.isnan(np.asarray(sr)))

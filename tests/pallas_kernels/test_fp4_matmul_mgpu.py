@@ -215,6 +215,8 @@ def _experts(e, k, n, seed, scale=0.05):
         ((5, 0, 19, 1, 0, 4), 31, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
         ((0, 0, 3, 0, 0, 0), 3, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
         ((2, 7, 0, 9, 1, 3), 22, None),
+        # two warpgroups: 128 columns per program sharing each activation tile
+        ((3, 0, 12, 6), 21, fmm.MgpuMatmulConfig(block_k=64, stages=2, block_m=8, warpgroups=2)),
     ],
 )
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
@@ -342,7 +344,10 @@ def test_oversized_config_is_refused():
         (16, None),
         (64, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
+        (200, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
+        (1, fmm.MgpuMatmulConfig(block_k=256, stages=3, split_k=2, decode="none")),
         ("grouped", None),
+        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
     ],
 )
 def test_lowers_for_cuda(m, cfg):
@@ -353,7 +358,7 @@ def test_lowers_for_cuda(m, cfg):
     if m == "grouped":
         w = fmm.prepack_mgpu(_experts(4, k, n, seed=1))
         x, sizes = jnp.zeros((24, k), jnp.bfloat16), jnp.array([3, 0, 12, 9], jnp.int32)
-        fn = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g)  # noqa: E731
+        fn = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g, cfg)  # noqa: E731
         args = (x, w, sizes)
     else:
         w = fmm.prepack_mgpu(_weights(k, n, seed=2))
