@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 from trace_jax import fp4
 from trace_jax.fp4.formats import E2M1_VALUES, E4M3_MAX, E4M3_MIN_NORMAL
-from trace_jax.fp4.quantize import decode_blocks, normalise, nvfp4_block_scale
+from trace_jax.fp4.quantize import decode_blocks, e4m3_to_float32, normalise, nvfp4_block_scale
 
 
 def np_decode(qt: fp4.QTensor) -> np.ndarray:
@@ -305,3 +305,32 @@ def test_bad_input_raises_a_clear_error(kwargs, match):
     x = jnp.asarray(kwargs.pop("x"))
     with pytest.raises((ValueError, TypeError), match=match):
         fp4.quantize(x, **kwargs)
+
+
+def test_e4m3_scale_values_from_bits():
+    # every float8_e4m3fn code (NaN, subnormals, signs) decodes as astype(float32) does
+    f8 = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    got = np.asarray(e4m3_to_float32(f8))
+    want = np.asarray(f8.astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("fmt", "mode"), [("nvfp4", "tensor"), ("nvfp4", "row"), ("mxfp4", "tensor")]
+)
+def test_gpu_quantize_matches_cpu(fmt, mode):
+    # one jitted program on the GPU picks the same codes and scales as the CPU (XLA on the GPU
+    # may drop a float32 -> float8 -> float32 rounding inside a fusion)
+    x = jax.random.normal(jax.random.key(3), (64, 1024)) * 3
+    fn = jax.jit(lambda x: fp4.quantize(x, fmt, axis=-1, global_scale=mode))
+    gpu = fn(x)
+    with jax.default_device(jax.devices("cpu")[0]):
+        cpu = fn(jax.device_put(x, jax.devices("cpu")[0]))
+    for a, b in ((gpu.codes, cpu.codes), (gpu.block_scales, cpu.block_scales)):
+        np.testing.assert_array_equal(
+            np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)),
+            np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8)),
+        )
+    np.testing.assert_array_equal(np.asarray(gpu.global_scale), np.asarray(cpu.global_scale))

@@ -128,10 +128,27 @@ def e8m0_to_float32(biased: jax.Array) -> jax.Array:
     return jnp.where(biased == E8M0_NAN, jnp.nan, value)
 
 
+def e4m3_to_float32(scales: jax.Array) -> jax.Array:
+    """float8_e4m3fn -> float32 values, from the bits.
+
+    ``astype(float32)`` is not used: XLA on the GPU removes a float32 -> float8 -> float32
+    conversion pair (excess precision allowed), so inside one program the encoder would divide
+    by the unrounded scale and pick codes for a scale that is never stored. A bitcast is kept.
+    """
+    b = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.uint32)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
+    value = jnp.where(
+        exp == 0, man.astype(jnp.float32) * 2.0**-9, normal
+    )  # subnormals: m/8 * 2**-6
+    value = jnp.where((b & 0x7F) == 0x7F, jnp.nan, value)
+    return jnp.where(b >= 0x80, -value, value)
+
+
 def block_scale_values(block_scales: jax.Array, fmt: FormatSpec) -> jax.Array:
     """Stored block scales -> float32 values, same shape."""
     if fmt.scale_format == "e4m3":
-        return block_scales.astype(jnp.float32)
+        return e4m3_to_float32(block_scales)
     return e8m0_to_float32(block_scales)
 
 
