@@ -11,8 +11,10 @@ loop streams ``stages`` buffers of (code words, block scales, activation tile) w
 each buffer signalled by its own barrier; a buffer is refilled as soon as the matrix unit has
 consumed it. Several programs share a multiprocessor, so one program's wait overlaps another's
 decode. The loop body runs two steps: a ``wgmma`` reads its register operand asynchronously
-until retired, so consecutive steps must decode into different registers. The fp32 result is
-staged for its TMA copy out in the shared memory the loop's buffers used (a second scope).
+until retired, so consecutive steps must decode into different registers. Without a K split
+the fp32 sums are multiplied by their row's output scale and rounded once to bf16 in the
+kernel (with one, the fp32 partials are summed and scaled in XLA); the result is staged for its
+TMA copy out in the shared memory the loop's buffers used (a second scope).
 
 Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
 gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
@@ -383,9 +385,11 @@ def _decode_portable(words_ref, scales_ref, scale_format):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format):
-    """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] f32 (gmem) =
-    W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64).
+def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format, scale=None):
+    """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] (gmem) =
+    W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64): float32
+    sums, or with ``scale`` ([W * 64] float32 gmem, one factor per output row) the sums times
+    their row's factor rounded once to ``out``'s dtype (bf16).
 
     ``x_rows`` [mpad, K], ``w_tiles`` [W, K/64, 2, 256], ``s_tiles`` [W, K/64, 64]: gmem views of
     the operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``. The
@@ -467,6 +471,13 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
         return pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
 
     acc = pl.run_scoped(k_loop, **_scratch(cfg, cfg.stages, mpad), collective_axes=collective)
+    if scale is not None:
+        row_scale = plgpu.load(
+            scale.at[pl.ds(wg * _TILE_N, _TILE_N)],
+            layout=plgpu.Layout.WGMMA.reduce(1),
+            optimized=False,  # 64 floats straight from global memory, once per program
+        )
+        acc = (acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])).astype(out.dtype)
 
     def store(o_smem):
         o_smem.at[wg][...] = acc
@@ -474,10 +485,11 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(wg * _TILE_N, _TILE_N)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, _out_smem(cfg, mpad), collective_axes=collective)
+    pl.run_scoped(store, _out_smem(cfg, mpad, out.dtype), collective_axes=collective)
 
 
-def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt):
+def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt):
+    *scale_gmem, o_gmem = refs  # the output scale [N] float32 when the output is scaled bf16
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")
     rows = cfg.warpgroups * _TILE_N
@@ -491,6 +503,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *, cfg, steps, mpad, fmt):
         k0=sk * steps * (cfg.block_k // _CHUNK),
         mpad=mpad,
         scale_format=fmt,
+        scale=scale_gmem[0].at[pl.ds(tn * rows, rows)] if scale_gmem else None,
     )
 
 
@@ -501,6 +514,7 @@ def _grouped_kernel(
     x_gmem,
     w_gmem,
     s_gmem,
+    scale_gmem,
     o_gmem,
     *,
     cfg,
@@ -519,6 +533,7 @@ def _grouped_kernel(
             w_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
             s_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
             o_gmem.at[b, pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)],
+            scale=scale_gmem.at[e, pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)],
             cfg=cfg,
             steps=steps,
             k0=0,
@@ -544,30 +559,40 @@ def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
     return scratch
 
 
-def _out_smem(cfg: MgpuMatmulConfig, mpad: int):
-    """The fp32 results' staging buffer [W, 64, mpad], allocated after the K loop's buffers."""
-    return plgpu.SMEM((cfg.warpgroups, _TILE_N, mpad), jnp.float32)
+def _out_smem(cfg: MgpuMatmulConfig, mpad: int, dtype=jnp.float32):
+    """The results' staging buffer [W, 64, mpad], allocated after the K loop's buffers."""
+    return plgpu.SMEM((cfg.warpgroups, _TILE_N, mpad), dtype)
 
 
 def dense_partials(
-    xp: jax.Array, w: MgpuWeight, cfg: MgpuMatmulConfig, *, interpret: bool = False
+    xp: jax.Array,
+    w: MgpuWeight,
+    cfg: MgpuMatmulConfig,
+    *,
+    scaled: bool = False,
+    interpret: bool = False,
 ) -> jax.Array:
     """The kernel alone: xp [mpad, K] bf16 (mpad a multiple of 8), W [K, N] prepacked ->
-    [split_k, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale."""
+    [split_k, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale, or with
+    ``scaled`` (``split_k`` 1) [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once."""
     (mpad, k), n = xp.shape, w.shape[1]
+    if scaled and cfg.split_k != 1:
+        raise ValueError(f"dense_partials: a scaled bf16 output needs split_k 1, got {cfg}")
     steps = k // (cfg.block_k * cfg.split_k)
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
     _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, n, mpad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(
+            (cfg.split_k, n, mpad), jnp.bfloat16 if scaled else jnp.float32
+        ),
         grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )
-    return kernel(xp, w.words, w.scales)
+    return kernel(xp, w.words, w.scales, *([w.out_scale] if scaled else []))
 
 
 def fp4_matmul_mgpu(
@@ -604,6 +629,8 @@ def fp4_matmul_mgpu(
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
     if n % (_TILE_N * cfg.warpgroups):
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
+    if cfg.split_k == 1 and row_scale is None:  # scaled and rounded in the kernel
+        return dense_partials(xp, w, cfg, scaled=True, interpret=interpret)[0, :, :m].T
     part = dense_partials(xp, w, cfg, interpret=interpret)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
     if row_scale is not None:
@@ -660,21 +687,22 @@ def grouped_partials(
     """The grouped kernel alone: xp [T', K] bf16 (rows sorted by expert, padded so that every
     window of ``block_m + 8`` rows from a block's first row fits), per row block its expert
     ``be``, first row ``brow`` (a multiple of 8) and valid row count ``valid`` [B] int32 ->
-    [B, N, block_m + 8] float32, block b's window of rows times its expert's weight (before
-    the output scale; blocks with ``valid == 0`` are not written)."""
+    [B, N, block_m + 8] bf16, block b's window of rows times its expert's weight, each column
+    times its ``w.out_scale`` (one rounding of the float32 sum; blocks with ``valid == 0`` are
+    not written)."""
     _, k, n = w.shape
     steps = k // cfg.block_k
     window = cfg.block_m + _ROW_ALIGN
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.bfloat16),
         grid=(be.shape[0], n // (_TILE_N * cfg.warpgroups)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )
-    return kernel(be, brow, valid, xp, w.words, w.scales)
+    return kernel(be, brow, valid, xp, w.words, w.scales, w.out_scale)
 
 
 def fp4_grouped_matmul_mgpu(
@@ -722,8 +750,8 @@ def fp4_grouped_matmul_mgpu(
     part = grouped_partials(
         xp, w, plan.expert, plan.first_row, plan.valid, cfg, interpret=interpret
     )
-    y = part[plan.row_block, :, plan.row_pos] * w.out_scale[plan.row_expert]
-    return jnp.where(plan.row_mask[:, None], y, 0).astype(jnp.bfloat16)
+    y = part[plan.row_block, :, plan.row_pos]
+    return jnp.where(plan.row_mask[:, None], y, 0)
 
 
 @jax.tree_util.register_dataclass
