@@ -334,3 +334,15 @@ def test_gpu_quantize_matches_cpu(fmt, mode):
             np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8)),
         )
     np.testing.assert_array_equal(np.asarray(gpu.global_scale), np.asarray(cpu.global_scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_rule", ["max6", "four_over_six"])
+def test_gpu_fake_quant_matches_cpu(scale_rule):
+    # the fused quantize-dequantize (the trainer's forward) gives the CPU's values on the GPU
+    x = jax.random.normal(jax.random.key(4), (32, 2048)) * 2
+    fn = jax.jit(lambda x: fp4.fake_quant(x, "nvfp4", axis=-1, scale_rule=scale_rule))
+    gpu = np.asarray(fn(x))
+    with jax.default_device(jax.devices("cpu")[0]):
+        cpu = np.asarray(fn(jax.device_put(x, jax.devices("cpu")[0])))
+    np.testing.assert_array_equal(gpu, cpu)
