@@ -884,6 +884,67 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
     return rows
 
 
+def moe_layer(log, token_counts=(16, 64)):
+    """A whole MoE expert block as the model runs it: gate/up (K=2048, N=1536) -> SwiGLU ->
+    down (K=768, N=2048), both grouped matmuls on the same routing in one jitted program (XLA
+    may share the routing plan between them), FP4 through ``fp4_grouped_linear`` against BF16
+    ``ragged_dot``; HBM % on the expert bytes of both weights."""
+    (k1, n1), (k2, n2) = GROUPED_SHAPES
+    rows = []
+    ws = []
+    for s in range(SETS):
+        pair = []
+        for k, n, seed in ((k1, n1, 60), (k2, n2, 70)):
+            w = jax.random.normal(jax.random.key(seed + s), (EXPERTS, k, n), jnp.float32) * 0.02
+            qt = fp4.quantize(w, "nvfp4", axis=1)
+            pair += [
+                jax.block_until_ready(gm.prepack_grouped(qt, mgpu=True)),
+                w.astype(jnp.bfloat16),
+            ]
+            del w
+        ws.append(pair)
+
+    def swiglu(h):
+        g, u = jnp.split(h, 2, axis=-1)
+        return (jax.nn.silu(g.astype(jnp.float32)) * u).astype(jnp.bfloat16)
+
+    def fp4_layer(x, g, wgu, wd):
+        return gm.fp4_grouped_linear(swiglu(gm.fp4_grouped_linear(x, wgu, g)), wd, g)
+
+    def bf16_layer(x, g, wgu, wd):
+        def rd(a, w):
+            return jax.lax.ragged_dot(a, w, g, preferred_element_type=jnp.float32)
+
+        return rd(swiglu(rd(x, wgu).astype(jnp.bfloat16)), wd).astype(jnp.bfloat16)
+
+    for tokens in token_counts:
+        t_rows = tokens * TOP_K
+        gss = [route(tokens, 7 * tokens + i) for i in range(SETS)]
+        xs = [make_x(t_rows, k1, 90 + i) for i in range(SETS)]
+        fp4_args = [(x, g, w[0], w[2]) for x, g, w in zip(xs, gss, ws, strict=True)]
+        bf_args = [(x, g, w[1], w[3]) for x, g, w in zip(xs, gss, ws, strict=True)]
+        ref = jax.jit(
+            lambda x, g, a, b: bf16_layer(
+                x,
+                g,
+                fp4.dequantize(a.qtensor, jnp.bfloat16),
+                fp4.dequantize(b.qtensor, jnp.bfloat16),
+            )
+        )(*fp4_args[0])
+        ok = check(f"moe layer tokens={tokens}", jax.jit(fp4_layer)(*fp4_args[0]), ref, log)
+        t = time_op(fp4_layer, fp4_args) if ok else float("nan")
+        tb = time_op(bf16_layer, bf_args)
+        active = int(np.count_nonzero(np.asarray(gss[0])))
+        nbytes = sum(active * (n * k // 2 + n * k // 16 + 4 * n) for k, n in GROUPED_SHAPES)
+        log.append(dict(moe_layer=tokens, us=t * 1e6, bf16_us=tb * 1e6))
+        print(f"  moe layer {tokens} tok ({active} experts): fp4 {t * 1e6:.1f} us, bf16 "
+              f"{tb * 1e6:.1f} us, {tb / t:.2f}x", flush=True)  # fmt: skip
+        rows.append(
+            (f"MoE layer nvfp4, {tokens} tok ({active} hit)", k1, n1, t_rows, t, tb, nbytes)
+        )
+    return rows
+
+
 def bounds(log, ms, shapes):
     """What bounds the tensor-core kernel: at each shape and M, the whole op (``fp4_matmul``:
     padding, kernel, split-K sum, scales, transpose), the kernel alone
@@ -1012,6 +1073,7 @@ def main(argv=None):
     ap.add_argument("--mgpu", action="store_true", help="FP4 tensor-core kernel, M <= 256")
     ap.add_argument("--grouped-mgpu", action="store_true", help="grouped: Triton vs tensor-core")
     ap.add_argument("--dispatch", action="store_true", help="fp4_matmul's default route vs XLA")
+    ap.add_argument("--moe-layer", action="store_true", help="gate/up + down (--ms: tokens)")
     ap.add_argument("--w4a4", action="store_true", help="W4A4 (fused / XLA quantize) vs W4A16")
     ap.add_argument(
         "--grouped-bounds", action="store_true", help="grouped: whole op vs kernel (--ms: tokens)"
@@ -1066,6 +1128,8 @@ def main(argv=None):
     elif args.mgpu:
         variants = _mgpu_variants(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
         mgpu(log, variants, ms, args.fmt, shapes)
+    elif args.moe_layer:
+        print_table(moe_layer(log, ms))
     elif args.w4a4:
         print_table(w4a4_rows(log, ms, shapes))
     elif args.bounds:
