@@ -70,6 +70,7 @@ _SLOTS = {
 }
 
 Decode = Literal["asm", "portable", "none"]
+SplitIn = Literal["grid", "warpgroups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,10 @@ class MgpuMatmulConfig:
         block streams its expert's weight tile once.
       warpgroups: warpgroups per program, each decoding its own 64 weight rows against one
         shared activation buffer (less shared memory and fewer activation reads per weight row).
+      split_in: dense form, where the ``split_k`` parts of K run: "grid" (separate programs;
+        fp32 partials summed in XLA) or "warpgroups" (one warpgroup per part in one program,
+        each with its own buffers; the sums are added in shared memory and the output scaled
+        and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2 or 3).
     """
 
     block_k: int = 256
@@ -94,6 +99,7 @@ class MgpuMatmulConfig:
     decode: Decode = "asm"
     block_m: int = 8
     warpgroups: int = 1
+    split_in: SplitIn = "grid"
 
     def __post_init__(self):
         if self.block_k < _CHUNK or self.block_k % _CHUNK:
@@ -104,8 +110,20 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig.block_m must be a multiple of 8 <= 256: {self}")
         if self.warpgroups not in (1, 2, 3):
             raise ValueError(f"MgpuMatmulConfig.warpgroups must be 1, 2 or 3: {self}")
+        if self.split_in not in ("grid", "warpgroups"):
+            raise ValueError(f"MgpuMatmulConfig.split_in: unknown {self.split_in!r}")
+        if self.split_in == "warpgroups" and (self.warpgroups != 1 or self.split_k not in (2, 3)):
+            raise ValueError(
+                f"MgpuMatmulConfig: split_in='warpgroups' needs warpgroups 1 and split_k 2 or 3: "
+                f"{self}"
+            )
         if self.decode not in ("asm", "portable", "none"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
+
+
+def _threads(cfg: MgpuMatmulConfig) -> int:
+    """Warpgroups per program: one per 64-row tile, or one per K part."""
+    return cfg.split_k if cfg.split_in == "warpgroups" else cfg.warpgroups
 
 
 _SMEM_LIMIT = 227 * 1024  # shared memory one program may use on Hopper (bytes)
@@ -397,10 +415,13 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
     warpgroup has marked it consumed. The buffers (``_scratch``) live for the K loop only: the
     fp32 result is staged for its copy to ``out`` in the same shared memory after it.
     """
-    nwg = cfg.warpgroups
+    ksplit = cfg.split_in == "warpgroups"  # the warpgroups split K for one 64-row tile
+    nwg = _threads(cfg)
     wg = lax.axis_index("wg") if nwg > 1 else 0
     collective = ("wg",) if nwg > 1 else ()
     chunks = cfg.block_k // _CHUNK
+    xi = wg if ksplit else 0  # the warpgroup's activation buffers
+    tile = 0 if ksplit else wg  # its 64 output rows
     decode = functools.partial(
         _decode_portable if cfg.decode == "portable" else _decode_asm, scale_format=scale_format
     )
@@ -408,26 +429,32 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
         decode = functools.partial(decode, arithmetic=False)
 
     def k_loop(x_smem, w_smem, s_smem, bar, consumed=None, a_smem=None):
+        def barrier(slot):
+            return bar.at[wg * cfg.stages + slot] if ksplit else bar.at[slot]
+
         def issue(step, slot):
-            kc = k0 + step * chunks
+            kc = k0 + ((wg * steps if ksplit else 0) + step) * chunks
             w_src, s_src = w_tiles.at[:, pl.ds(kc, chunks)], s_tiles.at[:, pl.ds(kc, chunks)]
-            plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(s_src, s_smem.at[slot], bar.at[slot])
+            w_dst, s_dst = w_smem.at[slot], s_smem.at[slot]
+            if ksplit:  # this warpgroup's part of K of the one weight tile
+                w_dst, s_dst = w_smem.at[slot, pl.ds(wg, 1)], s_smem.at[slot, pl.ds(wg, 1)]
+            plgpu.copy_gmem_to_smem(w_src, w_dst, barrier(slot))
+            plgpu.copy_gmem_to_smem(s_src, s_dst, barrier(slot))
             plgpu.copy_gmem_to_smem(
-                x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot], bar.at[slot]
+                x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot, xi], barrier(slot)
             )
 
-        @pl.when(wg == 0)
+        @pl.when((wg == 0) | ksplit)
         def _():
             for s in range(min(cfg.stages, steps)):
                 issue(s, s)
 
         def one_step(acc_ref, step):
             slot = lax.rem(step, cfg.stages)
-            plgpu.barrier_wait(bar.at[slot])
+            plgpu.barrier_wait(barrier(slot))
             for c in range(chunks):
                 a = decode(w_smem.at[slot, wg, c], s_smem.at[slot, wg, c])
-                b = x_smem.at[slot, :, pl.ds(c * _CHUNK, _CHUNK)].transpose((1, 0))
+                b = x_smem.at[slot, xi, :, pl.ds(c * _CHUNK, _CHUNK)].transpose((1, 0))
                 if a_smem is None:
                     plgpu.wgmma(acc_ref, a, b)
                 else:  # the interpreter's wgmma takes its operands from shared memory
@@ -440,6 +467,13 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
             plgpu.wgmma_wait(chunks)
             refill = step - 1 + cfg.stages
             prev = lax.rem(refill, cfg.stages)
+            if ksplit:  # each warpgroup refills its own buffers
+
+                @pl.when((step > 0) & (refill < steps))
+                def _():
+                    issue(refill, prev)
+
+                return
             if nwg > 1:
 
                 @pl.when((step > 0) & (refill < steps))
@@ -471,19 +505,42 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
         return pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
 
     acc = pl.run_scoped(k_loop, **_scratch(cfg, cfg.stages, mpad), collective_axes=collective)
+    if ksplit:  # the parts' sums added in shared memory, in part order
+
+        def add_parts(parts_smem, done):
+            parts_smem.at[wg][...] = acc
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+            total = None
+            for i in range(nwg):
+                part = plgpu.load(parts_smem.at[i], layout=plgpu.Layout.WGMMA, optimized=False)
+                total = part if total is None else total + part
+            plgpu.barrier_arrive(done)  # every warpgroup has read the parts
+            plgpu.barrier_wait(done)
+            return total
+
+        acc = pl.run_scoped(
+            add_parts,
+            _out_smem(cfg, mpad),
+            plgpu.Barrier(num_arrivals=nwg),
+            collective_axes=collective,
+        )
     if scale is not None:
         row_scale = plgpu.load(
-            scale.at[pl.ds(wg * _TILE_N, _TILE_N)],
+            scale.at[pl.ds(tile * _TILE_N, _TILE_N)],
             layout=plgpu.Layout.WGMMA.reduce(1),
             optimized=False,  # 64 floats straight from global memory, once per program
         )
         acc = (acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])).astype(out.dtype)
 
     def store(o_smem):
-        o_smem.at[wg][...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(wg * _TILE_N, _TILE_N)])
-        plgpu.wait_smem_to_gmem(0)
+        @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
+        def _():
+            o_smem.at[wg][...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(tile * _TILE_N, _TILE_N)])
+            plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, _out_smem(cfg, mpad, out.dtype), collective_axes=collective)
 
@@ -491,7 +548,7 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
 def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt):
     *scale_gmem, o_gmem = refs  # the output scale [N] float32 when the output is scaled bf16
     tn = lax.axis_index("n")
-    sk = lax.axis_index("k")
+    sk = lax.axis_index("k")  # 0 when the warpgroups split K
     rows = cfg.warpgroups * _TILE_N
     _stream(
         x_gmem,
@@ -500,7 +557,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt):
         o_gmem.at[sk, pl.ds(tn * rows, rows)],
         cfg=cfg,
         steps=steps,
-        k0=sk * steps * (cfg.block_k // _CHUNK),
+        k0=sk * steps * (cfg.block_k // _CHUNK),  # a warpgroup's part: steps later each
         mpad=mpad,
         scale_format=fmt,
         scale=scale_gmem[0].at[pl.ds(tn * rows, rows)] if scale_gmem else None,
@@ -544,15 +601,16 @@ def _grouped_kernel(
 
 def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
     chunks = cfg.block_k // _CHUNK
-    nwg = cfg.warpgroups
+    nwg = _threads(cfg)
+    nx = nwg if cfg.split_in == "warpgroups" else 1  # activation buffers: per K part, or shared
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = dict(
-        x_smem=plgpu.SMEM((stages, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
+        x_smem=plgpu.SMEM((stages, nx, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
         w_smem=plgpu.SMEM((stages, nwg, chunks, 2, 256), jnp.uint32),
         s_smem=plgpu.SMEM((stages, nwg, chunks, _TILE_N), jnp.uint32),
-        bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+        bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages * nx),
     )
-    if nwg > 1:
+    if nwg > 1 and nx == 1:
         scratch["consumed"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
     if cfg.decode == "portable":
         scratch["a_smem"] = plgpu.SMEM((nwg, _TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
@@ -561,7 +619,7 @@ def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
 
 def _out_smem(cfg: MgpuMatmulConfig, mpad: int, dtype=jnp.float32):
     """The results' staging buffer [W, 64, mpad], allocated after the K loop's buffers."""
-    return plgpu.SMEM((cfg.warpgroups, _TILE_N, mpad), dtype)
+    return plgpu.SMEM((_threads(cfg), _TILE_N, mpad), dtype)
 
 
 def dense_partials(
@@ -573,21 +631,22 @@ def dense_partials(
     interpret: bool = False,
 ) -> jax.Array:
     """The kernel alone: xp [mpad, K] bf16 (mpad a multiple of 8), W [K, N] prepacked ->
-    [split_k, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale, or with
-    ``scaled`` (``split_k`` 1) [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once."""
+    [P, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale (P = ``split_k``
+    programs, or 1 when the warpgroups split K), or with ``scaled`` (no split across programs)
+    [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once."""
     (mpad, k), n = xp.shape, w.shape[1]
-    if scaled and cfg.split_k != 1:
-        raise ValueError(f"dense_partials: a scaled bf16 output needs split_k 1, got {cfg}")
+    parts = 1 if cfg.split_in == "warpgroups" else cfg.split_k  # along the grid
+    if scaled and parts != 1:
+        raise ValueError(f"dense_partials: a scaled bf16 output needs one part per tile: {cfg}")
     steps = k // (cfg.block_k * cfg.split_k)
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
     _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
-    threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
+    nwg = _threads(cfg)
+    threads = dict(num_threads=nwg, thread_name="wg") if nwg > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct(
-            (cfg.split_k, n, mpad), jnp.bfloat16 if scaled else jnp.float32
-        ),
-        grid=(n // (_TILE_N * cfg.warpgroups), cfg.split_k),
+        out_type=jax.ShapeDtypeStruct((parts, n, mpad), jnp.bfloat16 if scaled else jnp.float32),
+        grid=(n // (_TILE_N * cfg.warpgroups), parts),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -629,7 +688,8 @@ def fp4_matmul_mgpu(
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
     if n % (_TILE_N * cfg.warpgroups):
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
-    if cfg.split_k == 1 and row_scale is None:  # scaled and rounded in the kernel
+    if (cfg.split_k == 1 or cfg.split_in == "warpgroups") and row_scale is None:
+        # scaled and rounded in the kernel
         return dense_partials(xp, w, cfg, scaled=True, interpret=interpret)[0, :, :m].T
     part = dense_partials(xp, w, cfg, interpret=interpret)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]

@@ -693,13 +693,13 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
     return rows
 
 
-MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups, decode); None: the shape's default
+MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups, decode, split_in); None: default
     None,
-    (256, 3, 4, 1, "asm"),
-    (128, 4, 1, 1, "asm"),
-    (128, 3, 1, 2, "asm"),
-    (256, 2, 1, 2, "asm"),
-    (128, 4, 2, 2, "asm"),
+    (256, 3, 4, 1, "asm", "grid"),
+    (128, 4, 1, 1, "asm", "grid"),
+    (128, 3, 1, 2, "asm", "grid"),
+    (256, 3, 2, 1, "asm", "warpgroups"),
+    (128, 4, 2, 1, "asm", "warpgroups"),
 )
 
 
@@ -736,7 +736,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
                 cfg = (
                     fmm.default_config(m, k, n)
                     if v is None
-                    else fmm.MgpuMatmulConfig(*v[:3], warpgroups=v[3], decode=v[4])
+                    else fmm.MgpuMatmulConfig(*v[:3], warpgroups=v[3], decode=v[4], split_in=v[5])
                 )
                 fn = lambda x, w, cfg=cfg: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
                 try:
@@ -748,6 +748,7 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
                     t = float("nan")
                 label = "default" if v is None else f"bk={v[0]} st={v[1]} sk={v[2]} wg={v[3]}"
                 label += " no decode" if cfg.decode == "none" else ""
+                label += " K on warpgroups" if cfg.split_in == "warpgroups" else ""
                 print(f"  mgpu k={k} m={m} {label}: {t * 1e6:.1f} us x{tb / t:.2f}", flush=True)
                 log.append(dict(mgpu=label, k=k, m=m, us=t * 1e6, bf16_us=tb * 1e6))
                 rows.append((f"{fmt} mgpu {label}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
@@ -1046,16 +1047,20 @@ def _int_tuples(text: str) -> list[tuple[int, ...]]:
 
 
 def _mgpu_variants(text: str) -> list[tuple]:
-    """'256,3,2,1;256,3,2,1,none' -> [(256, 3, 2, 1, "asm"), (256, 3, 2, 1, "none")]: block_k,
-    stages, split_k, warpgroups and an optional decode ("none": the diagnostic without it)."""
+    """'256,3,2,1;256,3,2,1,none;256,3,2,1,wk' -> (block_k, stages, split_k, warpgroups,
+    decode, split_in) tuples: "none" (the diagnostic without the decode), "wk" (the K parts on
+    the warpgroups of one program, ``split_in="warpgroups"``)."""
     out = []
     for t in text.split(";") if text else []:
-        *nums, last = t.split(",")
-        decode = last if not last.isdigit() else "asm"
-        nums = [int(v) for v in (nums if not last.isdigit() else [*nums, last])]
-        if len(nums) != 4:
-            raise SystemExit(f"--variants: 'block_k,stages,split_k,warpgroups[,decode]', got {t!r}")
-        out.append((*nums, decode))
+        fields = t.split(",")
+        nums = [int(v) for v in fields if v.isdigit()]
+        flags = {v for v in fields if not v.isdigit()}
+        if len(nums) != 4 or flags - {"none", "wk"}:
+            raise SystemExit(
+                f"--variants: 'block_k,stages,split_k,warpgroups[,none][,wk]', got {t!r}"
+            )
+        decode = "none" if "none" in flags else "asm"
+        out.append((*nums, decode, "warpgroups" if "wk" in flags else "grid"))
     return out
 
 
@@ -1086,7 +1091,8 @@ def main(argv=None):
     ap.add_argument(
         "--variants",
         default="",
-        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none];...' (none: no decode); "
+        help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none][,wk];...' (none: no "
+        "decode; wk: K parts on the warpgroups); "
         "--grouped-bounds: 'block_k,stages,block_m,warpgroups;...'",
     )
     ap.add_argument(

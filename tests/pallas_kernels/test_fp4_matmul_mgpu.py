@@ -34,6 +34,12 @@ def test_identity_rows_recover_dequantize_exactly():
     expected = fp4.dequantize(qt, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert set(np.unique(np.asarray(fp4.unpacked_codes(qt)))) >= set(range(16)) - {8}
+    # the same with K split over two warpgroups (each row's one nonzero term in one part)
+    ksplit = fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")
+    y = fmm.fp4_matmul_mgpu(
+        jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt), ksplit, interpret=True
+    )
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
 
 
 @pytest.mark.parametrize(
@@ -45,6 +51,14 @@ def test_identity_rows_recover_dequantize_exactly():
         (24, 384, 192, None),
         # two warpgroups share each activation buffer; the refill waits for both
         (24, 256, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        # the warpgroups split K (own buffers; the parts added in shared memory)
+        (
+            1,
+            512,
+            128,
+            fmm.MgpuMatmulConfig(block_k=128, stages=3, split_k=2, split_in="warpgroups"),
+        ),
+        (13, 768, 64, fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=3, split_in="warpgroups")),
     ],
 )
 def test_matches_reference(m, k, n, cfg):
@@ -172,6 +186,9 @@ def test_gpu_benchmark_shapes(k, n, m):
         (64, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
+        # K split over the warpgroups of one program, output scaled in the kernel
+        (1, fmm.MgpuMatmulConfig(block_k=256, stages=3, split_k=2, split_in="warpgroups")),
+        (16, fmm.MgpuMatmulConfig(block_k=128, stages=4, split_k=2, split_in="warpgroups")),
     ],
 )
 def test_gpu_register_operand_not_overwritten(m, cfg):
@@ -259,6 +276,8 @@ def test_grouped_prepack_and_bad_inputs():
         fmm.fp4_matmul_mgpu(random_x(4, 128, 0), w.mgpu)
     with pytest.raises(ValueError, match="block_m"):
         fmm.MgpuMatmulConfig(block_m=12)
+    with pytest.raises(ValueError, match="split_in"):
+        fmm.MgpuMatmulConfig(split_k=2, warpgroups=2, split_in="warpgroups")
 
 
 @pytest.mark.gpu
@@ -346,6 +365,8 @@ def test_oversized_config_is_refused():
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
         (200, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         (1, fmm.MgpuMatmulConfig(block_k=256, stages=3, split_k=2, decode="none")),
+        (1, fmm.MgpuMatmulConfig(block_k=128, stages=3, split_k=2, split_in="warpgroups")),
+        (16, fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")),
         ("grouped", None),
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
     ],
