@@ -90,7 +90,7 @@ class MgpuMatmulConfig:
       split_in: dense form, where the ``split_k`` parts of K run: "grid" (separate programs;
         fp32 partials summed in XLA) or "warpgroups" (one warpgroup per part in one program,
         each with its own buffers; the sums are added in shared memory and the output scaled
-        and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2 or 3).
+        and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2).
     """
 
     block_k: int = 256
@@ -112,10 +112,9 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig.warpgroups must be 1, 2 or 3: {self}")
         if self.split_in not in ("grid", "warpgroups"):
             raise ValueError(f"MgpuMatmulConfig.split_in: unknown {self.split_in!r}")
-        if self.split_in == "warpgroups" and (self.warpgroups != 1 or self.split_k not in (2, 3)):
+        if self.split_in == "warpgroups" and (self.warpgroups != 1 or self.split_k != 2):
             raise ValueError(
-                f"MgpuMatmulConfig: split_in='warpgroups' needs warpgroups 1 and split_k 2 or 3: "
-                f"{self}"
+                f"MgpuMatmulConfig: split_in='warpgroups' needs warpgroups 1 and split_k 2: {self}"
             )
         if self.decode not in ("asm", "portable", "none"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
@@ -403,11 +402,15 @@ def _decode_portable(words_ref, scales_ref, scale_format):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format, scale=None):
+def _stream(
+    x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format, scale=None, rows=None
+):
     """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] (gmem) =
     W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64): float32
     sums, or with ``scale`` ([W * 64] float32 gmem, one factor per output row) the sums times
-    their row's factor rounded once to ``out``'s dtype (bf16).
+    their row's factor rounded once to ``out``'s dtype (bf16). With ``rows`` = (first, count,
+    at), ``out`` is [T, W * 64] instead (gmem, token-major) and only the ``count`` tokens from
+    window position ``first`` are written, transposed, to its rows ``at``, ``at + 1``, ...
 
     ``x_rows`` [mpad, K], ``w_tiles`` [W, K/64, 2, 256], ``s_tiles`` [W, K/64, 64]: gmem views of
     the operands; ``steps`` steps of ``cfg.block_k`` from 64-element chunk ``k0``. The
@@ -510,20 +513,20 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
         def add_parts(parts_smem, done):
             parts_smem.at[wg][...] = acc
             plgpu.commit_smem()
-            plgpu.barrier_arrive(done)
-            plgpu.barrier_wait(done)
+            plgpu.barrier_arrive(done.at[0])  # every part is in shared memory
+            plgpu.barrier_wait(done.at[0])
             total = None
             for i in range(nwg):
                 part = plgpu.load(parts_smem.at[i], layout=plgpu.Layout.WGMMA, optimized=False)
                 total = part if total is None else total + part
-            plgpu.barrier_arrive(done)  # every warpgroup has read the parts
-            plgpu.barrier_wait(done)
+            plgpu.barrier_arrive(done.at[1])  # every warpgroup has read them (the memory is
+            plgpu.barrier_wait(done.at[1])  # the output staging's next)
             return total
 
         acc = pl.run_scoped(
             add_parts,
             _out_smem(cfg, mpad),
-            plgpu.Barrier(num_arrivals=nwg),
+            plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
             collective_axes=collective,
         )
     if scale is not None:
@@ -533,6 +536,26 @@ def _stream(x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format
             optimized=False,  # 64 floats straight from global memory, once per program
         )
         acc = (acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])).astype(out.dtype)
+
+    if rows is not None:  # token-major: each valid token's 64 outputs are one TMA row
+        first, count, at = rows
+
+        def store_rows(t_smem):
+            t_smem.at[wg].T[...] = acc
+            plgpu.commit_smem()
+
+            def one(j, _):
+                plgpu.copy_smem_to_gmem(
+                    t_smem.at[wg, pl.ds(first + j, 1)],
+                    out.at[pl.ds(at + j, 1), pl.ds(tile * _TILE_N, _TILE_N)],
+                )
+
+            lax.fori_loop(0, count, one, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        t_smem = plgpu.SMEM((nwg, mpad, _TILE_N), out.dtype)
+        pl.run_scoped(store_rows, t_smem, collective_axes=collective)
+        return
 
     def store(o_smem):
         @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
@@ -581,7 +604,10 @@ def _grouped_kernel(
     b = lax.axis_index("b")
     tn = lax.axis_index("n")
     e = expert_gmem[b]
-    row = pl.multiple_of(row_gmem[b], _ROW_ALIGN)  # a tiled TMA window starts on a tile row
+    first = row_gmem[b]
+    offset = lax.rem(first, _ROW_ALIGN)
+    row = pl.multiple_of(first - offset, _ROW_ALIGN)  # a tiled TMA window starts on a tile row
+    cols = pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)
 
     @pl.when(valid_gmem[b] > 0)
     def _():
@@ -589,8 +615,9 @@ def _grouped_kernel(
             x_gmem.at[pl.ds(row, cfg.block_m + _ROW_ALIGN)],
             w_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
             s_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
-            o_gmem.at[b, pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)],
-            scale=scale_gmem.at[e, pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)],
+            o_gmem.at[:, cols],
+            scale=scale_gmem.at[e, cols],
+            rows=(offset, valid_gmem[b], first),
             cfg=cfg,
             steps=steps,
             k0=0,
@@ -714,10 +741,10 @@ def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
 
 
 def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
-    """Split each expert's rows into blocks of ``block_m``: per block its expert, first row and
-    number of valid rows (0 past the last block); per row its block and position in it."""
+    """Split each expert's rows into blocks of ``block_m``: per block [B] its expert, first row
+    and number of valid rows (0 past the last block), B a static bound for any routing."""
     e = group_sizes.shape[0]
-    nblocks = -(-rows // block_m) + e  # static bound on the blocks of any routing
+    nblocks = -(-rows // block_m) + e
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     nb = -(-sizes // block_m)
@@ -727,11 +754,7 @@ def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     be = jnp.minimum(find(bend, b), e - 1).astype(jnp.int32)
     j = b - (bend - nb)[be]
     valid = jnp.where(b < bend[-1], jnp.minimum(block_m, sizes[be] - j * block_m), 0)
-    r = jnp.arange(rows, dtype=jnp.int32)
-    re = jnp.minimum(find(jnp.cumsum(sizes), r), e - 1)
-    off = r - starts[re]
-    rblock = (bend - nb)[re] + off // block_m
-    return be, starts[be] + j * block_m, valid, re, rblock, off % block_m, r < jnp.sum(sizes)
+    return be, starts[be] + j * block_m, valid
 
 
 def grouped_partials(
@@ -742,21 +765,21 @@ def grouped_partials(
     valid: jax.Array,
     cfg: MgpuMatmulConfig,
     *,
+    rows: int,
     interpret: bool = False,
 ) -> jax.Array:
-    """The grouped kernel alone: xp [T', K] bf16 (rows sorted by expert, padded so that every
-    window of ``block_m + 8`` rows from a block's first row fits), per row block its expert
-    ``be``, first row ``brow`` (a multiple of 8) and valid row count ``valid`` [B] int32 ->
-    [B, N, block_m + 8] bf16, block b's window of rows times its expert's weight, each column
-    times its ``w.out_scale`` (one rounding of the float32 sum; blocks with ``valid == 0`` are
-    not written)."""
+    """The grouped kernel alone: xp [T', K] bf16 (T = ``rows`` rows sorted by expert, then
+    zero rows so that every window of ``block_m + 8`` rows from a block's first row rounded
+    down to a multiple of 8 fits), per row block its expert ``be``, first row ``brow`` and
+    valid row count ``valid`` [B] int32 -> y [T, N] bf16: each block's valid rows times its
+    expert's weight, each column times its ``w.out_scale`` (one rounding of the float32 sum),
+    written by the block straight into its rows; rows of no block are not written."""
     _, k, n = w.shape
     steps = k // cfg.block_k
-    window = cfg.block_m + _ROW_ALIGN
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((be.shape[0], n, window), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),
         grid=(be.shape[0], n // (_TILE_N * cfg.warpgroups)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -778,9 +801,10 @@ def fp4_grouped_matmul_mgpu(
     sum of group_sizes come out zero).
 
     One program per (row block, 64 columns): each expert's rows are cut into blocks of
-    ``cfg.block_m`` (``_row_blocks``, in XLA); a block streams its expert's weight tile through
-    the dense kernel's pipeline and writes its fp32 [64, block_m] result to its own slot, so
-    blocks that share a 64-row window of x never race; the rows are gathered back in XLA.
+    ``cfg.block_m`` (``grouped_plan``, in XLA); a block streams its expert's weight tile through
+    the dense kernel's pipeline, scales its sums by the expert's output scale, rounds them to
+    bf16 and writes its valid rows straight into the output (one TMA row each, transposed in
+    shared memory), so blocks that share a 64-row window of x never write the same row.
     Blocks past the routing's last one exit at once, and experts without rows read no weights.
     """
     if len(w.shape) != 3:
@@ -807,36 +831,30 @@ def fp4_grouped_matmul_mgpu(
     _check_smem(cfg, cfg.stages, bm + _ROW_ALIGN, "fp4_grouped_matmul_mgpu")
     plan = grouped_plan(group_sizes, t, bm)
     xp = pad_rows_for_windows(x, bm)
-    part = grouped_partials(
-        xp, w, plan.expert, plan.first_row, plan.valid, cfg, interpret=interpret
+    y = grouped_partials(
+        xp, w, plan.expert, plan.first_row, plan.valid, cfg, rows=t, interpret=interpret
     )
-    y = part[plan.row_block, :, plan.row_pos]
-    return jnp.where(plan.row_mask[:, None], y, 0)
+    # rows past the routed ones belong to no block (in the model's use there are none)
+    routed = jnp.arange(t) < jnp.sum(group_sizes)
+    return jnp.where(routed[:, None], y, 0)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupedPlan:
-    """Row blocks of a routing (``grouped_plan``): per block [B] int32 its expert, first row
-    (a multiple of 8: the start of its TMA window) and valid rows; per row [T] its block,
-    position in that block's window, expert, and whether it is routed at all (bool)."""
+    """Row blocks of a routing (``grouped_plan``), per block [B] int32: its expert, first row
+    and number of valid rows (0 for the blocks past the routing's last)."""
 
     expert: jax.Array
     first_row: jax.Array
     valid: jax.Array
-    row_block: jax.Array
-    row_pos: jax.Array
-    row_expert: jax.Array
-    row_mask: jax.Array
 
 
 def grouped_plan(group_sizes: jax.Array, rows: int, block_m: int) -> GroupedPlan:
     """Each expert's rows cut into blocks of ``block_m``; a block reads the window of
     ``block_m + 8`` rows from its first row rounded down to a multiple of 8 (TMA into the tiled
-    buffer needs aligned starts), its rows at ``first % 8`` on."""
-    be, brow, valid, re, rblock, rpos, rmask = _row_blocks(group_sizes, rows, block_m)
-    rpos = rpos + brow[rblock] % _ROW_ALIGN
-    return GroupedPlan(be, brow - brow % _ROW_ALIGN, valid, rblock, rpos, re, rmask)
+    buffer needs aligned starts) and writes its valid rows of the output."""
+    return GroupedPlan(*_row_blocks(group_sizes, rows, block_m))
 
 
 def pad_rows_for_windows(x: jax.Array, block_m: int) -> jax.Array:

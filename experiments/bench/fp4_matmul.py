@@ -810,7 +810,7 @@ def w4a4_rows(log, ms, shapes):
 
 def grouped_bounds(log, token_counts=(16, 64), variants=()):
     """The grouped tensor-core kernel at its default: the whole op (routing plan, padding,
-    kernel, gather and scales in XLA) against the kernel alone (``fmm.grouped_partials`` on a
+    kernel, masking of unrouted rows in XLA) against the kernel alone (``fmm.grouped_partials`` on a
     plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes.
     ``variants``: (block_k, stages, block_m, warpgroups) tilings whose whole op is timed too."""
     rows = []
@@ -839,8 +839,8 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
                 gm.fp4_grouped_matmul_reference(xs[0], packed[0], gss[0]),
                 log,
             )
-            kern = lambda x, w, p, c=cfg: fmm.grouped_partials(  # noqa: E731
-                x, w.mgpu, p.expert, p.first_row, p.valid, c
+            kern = lambda x, w, p, c=cfg, t=t_rows: fmm.grouped_partials(  # noqa: E731
+                x, w.mgpu, p.expert, p.first_row, p.valid, c, rows=t
             )
             times = dict(
                 whole=time_op(whole, list(zip(xs, packed, gss, strict=True))) if ok else np.nan,
