@@ -35,7 +35,7 @@ from trace_jax.fp4.formats import (
     E4M3_MIN_NORMAL,
     F32_MIN_NORMAL,
 )
-from trace_jax.fp4.quantize import exact_div
+from trace_jax.fp4.quantize import block_scale_values, exact_div
 
 _BLOCK = 16  # NVFP4 block
 # Round-to-nearest-even steps of the E2M1 magnitude (value added once |z| passes a threshold;
@@ -132,15 +132,9 @@ def quantize_activation_blocks(
 def activation_blocks(xq: QTensor) -> tuple[jax.Array, jax.Array]:
     """An NVFP4 activation ``QTensor`` [M, K] (along K, per-row global scale) -> (the exact
     ``code * block_scale`` as bf16 [M, K], s_g [M] float32), in XLA."""
-    from pallas_kernels.fp4_matmul import _scale_f32_bits  # one definition of the scale bits
-
     m, k = xq.shape
     codes = fp4.unpacked_codes(xq)  # [M, K/16, 16]
-    # The E4M3 scales are read back from their bytes: XLA on the GPU may otherwise skip the
-    # float32 -> float8 -> float32 rounding of a fused quantize + decode (excess precision).
-    scale_bytes = jax.lax.bitcast_convert_type(xq.block_scales, jnp.uint8)
-    scale_bits = _scale_f32_bits(scale_bytes, jnp.int32(112), fp4.NVFP4)
-    scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float32)[..., None]
+    scales = block_scale_values(xq.block_scales, xq.fmt)[..., None]  # from the bits: exact
     values = (fp4.decode_e2m1(codes) * scales).astype(jnp.bfloat16).reshape(m, k)
     return values, jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
 

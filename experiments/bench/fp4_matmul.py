@@ -138,6 +138,14 @@ def xla_bf16_t(x, wt):
     ).astype(jnp.bfloat16)
 
 
+def xla_bf16_best(case: DenseCase, xs) -> float:
+    """Seconds per call of XLA's BF16 matmul, the faster of the two weight layouts."""
+    return min(
+        time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
+        time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
+    )
+
+
 def bf16_kernel_config(m):
     bm = max(16, min(64, fm._next_pow2(m)))
     return fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=bm, num_warps=4, num_stages=4)
@@ -765,10 +773,7 @@ def dispatch(log, ms, fmt="nvfp4", shapes=DENSE_SHAPES):
         case = make_dense(k, n, fmt, SETS, seed=1)
         for m in ms:
             xs = [make_x(m, k, 5 + i) for i in range(SETS)]
-            tb = min(
-                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
-                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
-            )
+            tb = xla_bf16_best(case, xs)
             t = run_fp4(case, m, log, seed=9, label="dispatch")
             print(
                 f"  dispatch {fmt} k={k} m={m}: {t * 1e6:.1f} us, XLA bf16 {tb * 1e6:.1f} us",
@@ -788,10 +793,7 @@ def w4a4_rows(log, ms, shapes):
         case = make_dense(k, n, "nvfp4", SETS, seed=1)
         for m in ms:
             xs = [make_x(m, k, 5 + i) for i in range(SETS)]
-            tb = min(
-                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
-                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
-            )
+            tb = xla_bf16_best(case, xs)
             t16 = run_fp4(case, m, log, seed=9, label="w4a16")
             t4 = run_fp4(case, m, log, seed=9, w4a4="before", label="w4a4 fused")
             tx = run_fp4(case, m, log, seed=9, w4a4="xla", label="w4a4 xla")
@@ -969,10 +971,7 @@ def bounds(log, ms, shapes):
                 fm.fp4_matmul_reference(xs[0], case.packed[0]),
                 log,
             )
-            tb = min(
-                time_op(xla_bf16, list(zip(xs, case.w_bf16, strict=True))),
-                time_op(xla_bf16_t, list(zip(xs, case.wt_bf16, strict=True))),
-            )
+            tb = xla_bf16_best(case, xs)
             bare = dataclasses.replace(cfg, decode="none")
             pairs = list(zip(xps, mw, strict=True))
             times = dict(

@@ -138,9 +138,8 @@ def e4m3_to_float32(scales: jax.Array) -> jax.Array:
     b = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.uint32)
     exp, man = (b >> 3) & 0xF, b & 0x7
     normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
-    value = jnp.where(
-        exp == 0, man.astype(jnp.float32) * 2.0**-9, normal
-    )  # subnormals: m/8 * 2**-6
+    subnormal = man.astype(jnp.float32) * 2.0**-9  # m/8 * 2**-6
+    value = jnp.where(exp == 0, subnormal, normal)
     value = jnp.where((b & 0x7F) == 0x7F, jnp.nan, value)
     return jnp.where(b >= 0x80, -value, value)
 
