@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import kernel_checks as kc
 import numpy as np
 import pytest
 
@@ -16,55 +17,6 @@ from trace_jax.rollout import kv_cache
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SMALL = fa.DecodeAttentionConfig(block_k=16, num_splits=2)
-
-
-def _stored(fmt, x):
-    """x [B, S, Hkv, D] -> the cache's stored value, as the KV site's RTN mode makes it."""
-    qt = None
-    if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
-    return kv_cache.to_storage(fmt, x, qt)
-
-
-def _inputs(fmt, b, s, hkv, hq, d, seed):
-    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
-    # Per-token magnitudes spread over 2**-3..2**3 so the per-row scales differ row to row.
-    mag = 2.0 ** jax.random.uniform(jax.random.key(seed + 1), (b, s, hkv, 1), minval=-3, maxval=3)
-    k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32) * mag
-    v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32) * mag[:, ::-1]
-    q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(jnp.bfloat16)
-    return q, _stored(fmt, k), _stored(fmt, v)
-
-
-def _poison(stored, lengths, lo=None):
-    """Overwrite every slot outside [lo, length) with NaN bytes (values and scales)."""
-
-    def bad(a, slot_ok):
-        nan = (
-            jnp.asarray(0xFF, jnp.uint8) if a.dtype == jnp.uint8 else jnp.asarray(jnp.nan, a.dtype)
-        )
-        return jnp.where(slot_ok.reshape(slot_ok.shape + (1,) * (a.ndim - 2)), a, nan)
-
-    def per_leaf(a):
-        pos = jnp.arange(a.shape[1])[None, :]
-        ok = pos < lengths[:, None]
-        if lo is not None:
-            ok &= pos >= lo[:, None]
-        return bad(a, ok)
-
-    return jax.tree.map(per_leaf, stored)
-
-
-def _assert_close(y, ref):
-    """bf16-level agreement: probabilities and output are rounded to bf16 once each."""
-    y = np.asarray(y, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert y.shape == ref.shape
-    assert np.all(np.isfinite(y)), "kernel output has NaN/Inf"
-    assert np.all(np.isfinite(ref))
-    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    assert rel < 4e-3, rel
-    np.testing.assert_allclose(y, ref, rtol=2**-6, atol=2**-7 * np.abs(ref).max())
 
 
 # heads_per_program 2: both KV heads' query groups share a program's rows, each row masked to its
@@ -78,13 +30,13 @@ def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     # Lengths 1, the maximum and in between; slots past each length hold NaN bytes, which the
     # kernel must never read into the result.
     b, s, hkv, hq, d = 4, 64, 2, 8, 64
-    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=1)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
     lengths = jnp.array([1, s, 37, 16], jnp.int32)
     ref = fa.decode_attention_reference(q, k, v, lengths)
-    kp, vp = _poison(k, lengths), _poison(v, lengths)
+    kp, vp = kc.poison(k, lengths), kc.poison(v, lengths)
     cfg = dataclasses.replace(SMALL, heads_per_program=hp)
     y = fa.decode_attention(q, kp, vp, lengths, config=cfg, interpret=True)
-    _assert_close(y, ref)
+    kc.assert_attn_close(y, ref)
     # The reference over the poisoned cache is the same (it masks before use).
     np.testing.assert_array_equal(
         np.asarray(fa.decode_attention_reference(q, kp, vp, lengths), np.float32),
@@ -97,14 +49,14 @@ def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
 def test_sliding_window(fmt, hp):
     b, s, hkv, hq, d = 3, 64, 2, 4, 32
     window = 21
-    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=2)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=2)
     lengths = jnp.array([s, 40, 5], jnp.int32)
     lo = jnp.maximum(lengths - window, 0)
     ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
-    kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
+    kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
     cfg = dataclasses.replace(SMALL, heads_per_program=hp)
     y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg, interpret=True)
-    _assert_close(y, ref)
+    kc.assert_attn_close(y, ref)
     # The window changes the answer (the test would notice a kernel that ignores it).
     full = fa.decode_attention_reference(q, k, v, lengths)
     assert np.abs(np.asarray(full, np.float32) - np.asarray(ref, np.float32)).max() > 0.05
@@ -114,17 +66,17 @@ def test_sliding_window(fmt, hp):
 def test_gqa_ratios(hq, hkv):
     # G = 1 (MHA), 3 (padded to 16 rows, not a power of two) and 16 query heads per KV head.
     b, s, d = 2, 64, 32
-    q, k, v = _inputs("nvfp4", b, s, hkv, hq, d, seed=hq)
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=hq)
     lengths = jnp.array([s, 23], jnp.int32)
     cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=1)
     y = fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True)
-    _assert_close(y, fa.decode_attention_reference(q, k, v, lengths))
+    kc.assert_attn_close(y, fa.decode_attention_reference(q, k, v, lengths))
 
 
 def test_splits_and_steps_agree():
     # More splits than blocks (empty splits), and one split walking every block.
     b, s, hkv, hq, d = 2, 128, 1, 4, 32
-    q, k, v = _inputs("mxfp4", b, s, hkv, hq, d, seed=5)
+    q, k, v = kc.attn_inputs("mxfp4", b, s, hkv, hq, d, seed=5)
     lengths = jnp.array([20, s], jnp.int32)
     ref = fa.decode_attention_reference(q, k, v, lengths, sm_scale=0.3)
     for cfg in (
@@ -132,7 +84,7 @@ def test_splits_and_steps_agree():
         fa.DecodeAttentionConfig(block_k=32, num_splits=1),
     ):
         y = fa.decode_attention(q, k, v, lengths, sm_scale=0.3, config=cfg, interpret=True)
-        _assert_close(y, ref)
+        kc.assert_attn_close(y, ref)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -141,7 +93,7 @@ def test_fp4_tiles_hold_d_positions_4m_plus_t(fmt):
     # against the reference by the GPU tests) times its per-token column scale, against the
     # cache's own dequantization: tile t, column m is D position 4m + t, for every code value.
     s, d = 64, 128
-    _, k, _ = _inputs(fmt, 1, s, 1, 1, d, seed=9)
+    _, k, _ = kc.attn_inputs(fmt, 1, s, 1, 1, d, seed=9)
     codes, scales, g = (a[0, :, 0] for a in fa._operands(k))
     words = fa._codes_u16(codes)
     np.testing.assert_array_equal(np.asarray(fa._codes_u8(words)), np.asarray(codes))
@@ -156,7 +108,7 @@ def test_fp4_tiles_hold_d_positions_4m_plus_t(fmt):
 
 def test_nan_in_a_valid_slot_is_loud():
     b, s, hkv, hq, d = 1, 32, 1, 2, 32
-    q, k, v = _inputs("nvfp4", b, s, hkv, hq, d, seed=6)
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=6)
     g = k.global_scale.at[0, 3].set(jnp.nan)
     k = dataclasses.replace(k, global_scale=g)
     y = fa.decode_attention(q, k, v, jnp.array([10], jnp.int32), config=SMALL, interpret=True)
@@ -195,7 +147,7 @@ def test_kv_append_equals_cache_write(fmt, kernel):
     b, s, hkv, d = 3, 32, 2, 64
     rng = jax.random.key(9)
     base = jax.random.normal(rng, (b, s, hkv, d), jnp.float32)
-    buf = _stored(fmt, base)
+    buf = kc.stored_cache(fmt, base)
     x = jax.random.normal(jax.random.key(10), (b, 1, hkv, d), jnp.float32).astype(jnp.bfloat16)
     lengths = jnp.array([0, 31, 32], jnp.int32)  # first slot, last slot, full (dropped)
     valid = jnp.array([[True], [True], [True]])
@@ -224,7 +176,7 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
     """K and V of a layer through one kernel launch equal two separate cache writes."""
     b, s, hkv, d = 4, 16, 2, 32
     k_buf, v_buf = (
-        _stored(fmt, jax.random.normal(jax.random.key(i), (b, s, hkv, d))) for i in (1, 2)
+        kc.stored_cache(fmt, jax.random.normal(jax.random.key(i), (b, s, hkv, d))) for i in (1, 2)
     )
     k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
     lengths = jnp.array([5, 0, 15, 9], jnp.int32)
@@ -247,7 +199,7 @@ def test_fused_append_equals_append_then_attend(fmt, window):
     """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
     ``decode_attention`` over the written cache (the new token included where it was taken)."""
     b, s, hkv, hq, d = 4, 32, 2, 8, 32
-    q, k_buf, v_buf = _inputs(fmt, b, s, hkv, hq, d, seed=11)
+    q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=11)
     k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
     lengths = jnp.array([0, 17, 31, 32], jnp.int32)  # empty, middle, last slot, full (dropped)
     valid = jnp.array([True, False, True, True])
@@ -260,14 +212,23 @@ def test_fused_append_equals_append_then_attend(fmt, window):
     )
     taken = valid & (lengths < s)
     ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken, window=window)
-    kp, vp = _poison(k_buf, lengths), _poison(v_buf, lengths)  # stale slots, and the new slot
+    kp, vp = (
+        kc.poison(k_buf, lengths),
+        kc.poison(v_buf, lengths),
+    )  # stale slots, and the new slot
     out, got_k, got_v = fa.decode_attention_append(
         q, kp, vp, k, v, lengths, valid=valid, window=window, config=SMALL, interpret=True
     )
-    _assert_close(out[taken | (lengths > 0)], ref[taken | (lengths > 0)])
+    kc.assert_attn_close(out[taken | (lengths > 0)], ref[taken | (lengths > 0)])
     # Only the taken slots were written: the stored bytes equal the two-call path's.
-    _assert_same_bytes(_poison(got_k, lengths + taken), _poison(want_k, lengths + taken))
-    _assert_same_bytes(_poison(got_v, lengths + taken), _poison(want_v, lengths + taken))
+    _assert_same_bytes(
+        kc.poison(got_k, lengths + taken),
+        kc.poison(want_k, lengths + taken),
+    )
+    _assert_same_bytes(
+        kc.poison(got_v, lengths + taken),
+        kc.poison(want_v, lengths + taken),
+    )
 
 
 def _assert_same_bytes(got, expect):
@@ -284,28 +245,28 @@ def _assert_same_bytes(got, expect):
 @pytest.mark.parametrize(("b", "s"), [(32, 8192), (8, 32768), (64, 2048)])
 def test_gpu_benchmark_shapes(fmt, b, s):
     hkv, hq, d = 4, 32, 128
-    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=b)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=b)
     lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
     lengths = lengths.at[0].set(1).at[1].set(s)
     ref = fa.decode_attention_reference(q, k, v, lengths)
-    y = fa.decode_attention(q, _poison(k, lengths), _poison(v, lengths), lengths)
-    _assert_close(y, ref)
+    y = fa.decode_attention(q, kc.poison(k, lengths), kc.poison(v, lengths), lengths)
+    kc.assert_attn_close(y, ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_window_and_small_tiles(fmt):
     b, s, hkv, hq, d = 4, 512, 4, 32, 128
-    q, k, v = _inputs(fmt, b, s, hkv, hq, d, seed=3)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=3)
     lengths = jnp.array([1, s, 77, 300], jnp.int32)
     for window in (None, 50):
         lo = jnp.maximum(lengths - (window or s), 0)
         ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
-        kp, vp = _poison(k, lengths, lo), _poison(v, lengths, lo)
+        kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
         two = fa.DecodeAttentionConfig(block_k=16, num_splits=4, num_warps=2, heads_per_program=2)
         for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4), two):
             y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
-            _assert_close(y, ref)
+            kc.assert_attn_close(y, ref)
 
 
 @pytest.mark.gpu
@@ -313,7 +274,7 @@ def test_gpu_window_and_small_tiles(fmt):
 @pytest.mark.parametrize(("b", "s"), [(64, 2048), (8, 32768)])
 def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
     hkv, hq, d = 4, 32, 128
-    q, k_buf, v_buf = _inputs(fmt, b, s, hkv, hq, d, seed=b + 1)
+    q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=b + 1)
     k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
     lengths = jax.random.randint(jax.random.key(s), (b,), 0, s + 1, jnp.int32)
     lengths = lengths.at[0].set(0).at[1].set(s - 1).at[2].set(s)
@@ -324,9 +285,21 @@ def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
     taken = valid & (lengths < s)
     ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken)
     out, got_k, got_v = fa.decode_attention_append(
-        q, _poison(k_buf, lengths), _poison(v_buf, lengths), k, v, lengths, valid=valid
+        q,
+        kc.poison(k_buf, lengths),
+        kc.poison(v_buf, lengths),
+        k,
+        v,
+        lengths,
+        valid=valid,
     )
     keep = taken | (lengths > 0)
-    _assert_close(out[keep], ref[keep])
-    _assert_same_bytes(_poison(got_k, lengths + taken), _poison(want_k, lengths + taken))
-    _assert_same_bytes(_poison(got_v, lengths + taken), _poison(want_v, lengths + taken))
+    kc.assert_attn_close(out[keep], ref[keep])
+    _assert_same_bytes(
+        kc.poison(got_k, lengths + taken),
+        kc.poison(want_k, lengths + taken),
+    )
+    _assert_same_bytes(
+        kc.poison(got_v, lengths + taken),
+        kc.poison(want_v, lengths + taken),
+    )

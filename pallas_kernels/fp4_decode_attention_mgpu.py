@@ -1,0 +1,512 @@
+"""Decode attention over an NVFP4 KV cache on Hopper tensor cores (Mosaic GPU).
+
+One new query token per sequence against its cache slots, as ``fp4_decode_attention`` (same
+arguments, same flash-decoding splits and ``_combine``), with the slots on the matrix unit's wide
+side so that nothing is padded and the decoded K tile never leaves the registers:
+
+* scores, transposed: ``s^T [64 slots, G] = K [64, D] @ q^T [D, G]`` with ``wgmma``: the 64
+  decoded K rows are its register operand, the ``G`` query heads of the KV head (padded to a
+  multiple of 8) its shared-memory operand, loaded once per program;
+* online softmax down the columns of ``s^T`` (one column per query head; the column max is a
+  cross-warp reduction, the running sum is kept per element and reduced once at the end);
+* output, transposed: ``o^T [D, G] += V^T [D, 64] @ p^T [64, G]``: V is decoded into shared
+  memory (bf16, the operand's swizzled tile) and read transposed by ``wgmma``; p^T (times the
+  slots' V global scales) is stored beside it as two bf16 parts, ``hi = bf16(p)`` and
+  ``lo = bf16(p - hi)``, multiplied one after the other, so p carries ~16 significant bits
+  instead of bf16's 8 (the multiply is 8 columns wide: the matrix unit's time stays small).
+
+Each program is one warpgroup on one (KV head, split, sequence). Its K/V tiles (codes, block
+scales and the per-token global scales of 64 slots; the scales of all KV heads of a slot, since
+a TMA row must be 16 bytes: the neighbouring heads' programs read the same sectors) stream
+through ``stages`` buffers with TMA, K and V on separate barriers, each buffer refilled as soon
+as the step has decoded it.
+
+The decode works on the cache's own bytes (the ``QTensor`` layout, nothing repacked). In the
+``wgmma`` register layout thread ``t = 32 w + 4 a + b`` holds, of rows ``16 w + a`` and
+``16 w + 8 + a``, the columns ``8 j + 2 b + {0, 1}``; the kernel chooses which D position each
+column stands for (``column_order``): thread ``b``'s columns are the ``D / 4`` positions from
+``D b / 4`` (one 16-byte load per row, whole scale blocks), column ``8 j + 2 b + v`` holding
+position ``D b / 4 + 8 (j // 4) + j % 4 + 4 v``. So the two halves of a decoded bf16 pair are
+nibbles ``i`` and ``i + 4`` of one 32-bit code word, 16 bits apart, and one masked multiply
+moves both halves' sign and magnitude bits into place (``_WORD_ASM``). q's columns are put in
+the same order in XLA (``q.k`` is a sum over D in any order), and the output's rows come back
+in it and are put back in XLA.
+
+``decode="asm"``: the decode is PTX inside ``plgpu.inline_mgpu`` (GPU only). ``"portable"``: the
+same values in ``jnp``, both operands through shared memory (the interpreter's ``wgmma`` takes
+no register operand), for interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from trace_jax import fp4
+from trace_jax.rollout import kv_cache
+
+_BK = 64  # slots per step: the wgmma M side of the scores
+_COLS = 8  # query heads are padded to a multiple of 8 (the wgmma N side)
+_OFFSET = 100  # as fp4_matmul: code * scale * 2**(100 - 126) is a normal bf16 for every code
+_LOG2E = 1.4426950408889634
+_NEG_INIT = -1e30  # running max before any valid slot (finite: exp2(-inf - -inf) would be NaN)
+_SWIZZLE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+Decode = Literal["asm", "portable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuAttentionConfig:
+    """Tiling of the tensor-core decode-attention kernel.
+
+    Attributes:
+      num_splits: programs per (sequence, KV head) along the sequence (flash-decoding splits).
+      stages: K/V tile buffers in flight per program (64 slots each).
+      decode: "asm" (PTX, GPU only) or "portable" (jnp; used automatically in interpret mode).
+    """
+
+    num_splits: int = 8
+    stages: int = 2
+    decode: Decode = "asm"
+
+    def __post_init__(self):
+        if self.num_splits < 1 or self.stages < 1:
+            raise ValueError(f"MgpuAttentionConfig: num_splits and stages must be >= 1: {self}")
+        if self.decode not in ("asm", "portable"):
+            raise ValueError(f"MgpuAttentionConfig.decode: unknown {self.decode!r}")
+
+
+def default_config(batch: int, max_len: int, kv_heads: int) -> MgpuAttentionConfig:
+    """Splits for about 1024 programs without a split shorter than 4 steps (as the Triton
+    kernel's defaults), 2 buffers."""
+    steps = max(1, max_len // _BK)
+    splits = 1
+    while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
+        splits *= 2
+    return MgpuAttentionConfig(num_splits=splits)
+
+
+def supports(k: kv_cache.Stored, v: kv_cache.Stored, q_heads: int) -> bool:
+    """Whether the kernel takes this cache: NVFP4 K and V with D a multiple of 64 (at most
+    256), a length that is a multiple of 64, at most 256 query heads per KV head, and 16-byte
+    TMA rows for the scales of a slot (``Hkv * D / 16`` block-scale bytes and ``Hkv`` global
+    scales: Hkv a multiple of 4)."""
+    if not all(isinstance(t, fp4.QTensor) and t.fmt.name == "nvfp4" for t in (k, v)):
+        return False
+    _, s, hkv, d = k.shape
+    return (
+        d % 64 == 0
+        and d <= 256
+        and s % _BK == 0
+        and hkv % 4 == 0
+        and q_heads % hkv == 0
+        and q_heads // hkv <= 256
+    )
+
+
+def column_order(d: int) -> np.ndarray:
+    """[D] int: the D position that each column of the kernel's [64, D] tiles holds (a
+    permutation; see the module docstring)."""
+    col = np.arange(d)
+    j, b, v = col // 8, (col % 8) // 2, col % 2
+    return (d // 4) * b + 8 * (j // 4) + j % 4 + 4 * v
+
+
+# ----------------------------------------------------------------------------- decode
+
+# Code word x (8 nibbles, D positions 8u .. 8u + 7 from the low nibble) and the scale pair $5 ->
+# the bf16 pairs of nibbles (i, i + 4), i = 0..3, worth code * scale * 2**(offset - 126). For
+# nibble i of each 16-bit lane, x masked to that nibble times (2**(6 - 4i') + 2**(12 - 4i'))
+# puts a copy of it at bits 6..9 and one at 12..15 of the lane (disjoint bits: no carry), i.e.
+# the magnitude at 6..8 and the sign at 15; i' = i % 2 after shifting x right by 8 for i >= 2.
+# The bf16 pair is then code * 2**-126 (the 0.5 code a subnormal; bf16 arithmetic keeps it)
+# and ``mul.bf16x2`` by the scale pair finishes it, exactly.
+_WORD_ASM = """
+{
+.reg .b32 t, y;
+and.b32 t, $4, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+and.b32 t, $4, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $5;
+shr.b32 y, $4, 8;
+and.b32 t, y, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, $5;
+and.b32 t, y, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, $5;
+}
+"""
+# E4M3 scale byte -> the bf16 pair (scale * 2**offset, same) = byte * mult + bias
+_SCALE_MULT = 0x00100010
+_SCALE_BIAS = ((_OFFSET + 120) << 7) * 0x10001
+
+
+def _decode_asm(codes_ref, scales_ref, d: int):
+    """[64, D/8] uint32 code words and [64, D/16] uint8 block scales (shared memory, one KV
+    head's) -> the bf16 [64, D] tile in the ``wgmma`` register layout, columns in
+    ``column_order(D)``."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    words = d // 32  # code words of a thread's row
+    blocks = d // 64  # scale blocks of a thread's row
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((_BK, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def decode(_, c_ref, s_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        c = lambda v: arith.constant(i32, v)  # noqa: E731
+        idx = lambda v: arith.index_cast(index, v)  # noqa: E731
+        t = arith.remui(mgpu_utils.thread_idx(), c(128))
+        lane_b = arith.andi(t, c(3))
+        r0 = arith.addi(
+            arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
+        )
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        struct = llvm.StructType.get_literal([i32] * 4)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_BK, d)), dtype=object)
+        for rh in range(2):
+            row = arith.addi(r0, c(8 * rh))
+            vec = vector.load(
+                ir.VectorType.get((words,), i32),
+                c_ref,
+                [idx(row), idx(arith.muli(lane_b, c(words)))],
+            )
+            sc = []
+            for q in range(blocks):
+                col = arith.addi(arith.muli(lane_b, c(blocks)), c(q))
+                byte = arith.extui(i32, memref.load(s_ref, [idx(row), idx(col)]))
+                sc.append(arith.addi(arith.muli(byte, c(_SCALE_MULT)), c(_SCALE_BIAS)))
+            for u in range(words):
+                x = vector.extract(vec, [], [u])
+                out = llvm.inline_asm(struct, [x, sc[u // 2]], _WORD_ASM, "=r,=r,=r,=r,r,r")
+                for i in range(4):
+                    bits = llvm.extractvalue(i32, out, [i])
+                    regs[0, 4 * u + i, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode(codes_ref, scales_ref)
+
+
+def decode_tile_reference(words: jax.Array, scale_bytes: jax.Array) -> jax.Array:
+    """What the decode makes, in ``jnp``: code words [R, D/8] uint32 and E4M3 block-scale
+    bytes [R, D/16] uint8 -> bf16 [R, D] worth ``code * scale * 2**(offset - 126)``, columns in
+    ``column_order(D)`` (exact)."""
+    r, n = words.shape
+    d = 8 * n
+    nib = jnp.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(r, d)
+    mag = (nib & 7).astype(jnp.float32)
+    e2m1 = 0.5 * mag + 0.5 * jnp.maximum(mag - 4, 0) + jnp.maximum(mag - 6, 0)
+    val = jnp.where(nib >= 8, -e2m1, e2m1)
+    # E4M3 (bias 7, normal: quantized NVFP4 scales are) -> scale * 2**(offset - 126) in float32
+    sb = scale_bytes.astype(jnp.uint32)
+    sf = lax.bitcast_convert_type(((sb & 0x7F) << 20) + ((_OFFSET - 6) << 23), jnp.float32)
+    val = (val.reshape(r, d // 16, 16) * sf[:, :, None]).reshape(r, d)
+    # D position (D/4) b + 8 u + 4 v + i -> column 8 (4 u + i) + 2 b + v (``column_order``)
+    val = val.reshape(r, 4, d // 32, 2, 4).transpose(0, 2, 4, 1, 3).reshape(r, d)
+    return val.astype(jnp.bfloat16)
+
+
+def _decode_portable(codes_ref, scales_ref, d: int):
+    return decode_tile_reference(codes_ref[...], scales_ref[...])
+
+
+def _load_column(ref):
+    """A [64, 1] float32 shared-memory column -> [64] in the layout of s^T's rows (each thread
+    loads its two rows)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct(
+            (_BK,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)
+        ),
+    )
+    def load(_, ref):
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        c = lambda v: arith.constant(i32, v)  # noqa: E731
+        t = arith.remui(mgpu_utils.thread_idx(), c(128))
+        r0 = arith.addi(
+            arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
+        )
+        layout = mgpu.WGMMA_ROW_LAYOUT
+        regs = np.empty(layout.registers_shape((_BK,)), dtype=object)
+        vec = ir.VectorType.get((1,), ir.F32Type.get())
+        zero = arith.constant(index, 0)
+        for rh in range(2):
+            row = arith.index_cast(index, arith.addi(r0, c(8 * rh)))
+            regs[0, 0, rh, 0, 0] = vector.broadcast(vec, memref.load(ref, [row, zero]))
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return load(ref)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(
+    len_gmem,
+    q_gmem,
+    kc_gmem,
+    ks_gmem,
+    kg_gmem,
+    vc_gmem,
+    vs_gmem,
+    vg_gmem,
+    o_gmem,
+    m_gmem,
+    l_gmem,
+    *,
+    cfg,
+    d,
+    gp,
+    splits,
+    sm_scale,
+    window,
+):
+    h = lax.axis_index("h")
+    split = lax.axis_index("s")
+    b = lax.axis_index("b")
+    hi = len_gmem[b]
+    lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
+    lo_aligned = (lo // _BK) * _BK
+    n_blocks = jnp.maximum(pl.cdiv(hi - lo_aligned, _BK), 0)
+    per_split = pl.cdiv(n_blocks, splits)
+    first = split * per_split
+    n_steps = jnp.clip(n_blocks - first, 0, per_split)
+    sb = d // 16  # block-scale bytes of a head
+    portable = cfg.decode == "portable"
+    decode = functools.partial(_decode_portable if portable else _decode_asm, d=d)
+    logit_scale = np.float32(sm_scale * _LOG2E * 2.0 ** (126 - _OFFSET))  # softmax in base 2
+    v_scale = np.float32(2.0 ** (126 - _OFFSET))
+
+    def body(q_smem, kc, ks, kg, vc, vs, vg, vdec, p_smem, kbar, vbar, qbar, kdec=None):
+        plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, qbar.at[0])
+
+        def issue(t, slot):
+            rows = pl.ds(lo_aligned + (first + t) * _BK, _BK)
+            for src, dst, bar in (
+                (kc_gmem.at[b, rows, h], kc, kbar),
+                (ks_gmem.at[b, rows], ks, kbar),
+                (kg_gmem.at[b, rows], kg, kbar),
+                (vc_gmem.at[b, rows, h], vc, vbar),
+                (vs_gmem.at[b, rows], vs, vbar),
+                (vg_gmem.at[b, rows], vg, vbar),
+            ):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+        for s in range(cfg.stages):
+            pl.when(s < n_steps)(functools.partial(issue, s, s))
+        plgpu.barrier_wait(qbar.at[0])
+
+        def row_vector(ref):
+            """Column ``h`` of a [64, Hkv] float32 tile as a [64] row vector of s^T."""
+            col = ref.at[:, pl.ds(h, 1)]
+            return _load_column(col) if not portable else col[...][:, 0]
+
+        def step(t, carry):
+            o, m, lsum = carry
+            slot = lax.rem(t, cfg.stages)
+            start = lo_aligned + (first + t) * _BK
+            plgpu.barrier_wait(kbar.at[slot])
+            a = decode(kc.at[slot], ks.at[slot, :, pl.ds(h * sb, sb)])
+
+            def scores(acc_ref):
+                if kdec is None:
+                    plgpu.wgmma(acc_ref, a, q_smem.T)
+                else:
+                    kdec[...] = a
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, kdec, q_smem.T)
+                return acc_ref[...]
+
+            st = pl.run_scoped(scores, plgpu.ACC((_BK, gp), jnp.float32))
+            kg_row = row_vector(kg.at[slot]) * logit_scale
+            s = st * lax.broadcast_in_dim(kg_row, st.shape, [0])
+            pos = start + plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA)
+            valid = (pos >= lo) & (pos < hi)
+            s = jnp.where(valid, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            lsum = lsum * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+            vg_row = row_vector(vg.at[slot]) * v_scale
+            pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
+            plgpu.barrier_wait(vbar.at[slot])
+            vdec[...] = decode(vc.at[slot], vs.at[slot, :, pl.ds(h * sb, sb)])
+            p_hi = pv.astype(jnp.bfloat16)
+            p_smem.at[0].T[...] = p_hi
+            p_smem.at[1].T[...] = (pv - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            plgpu.commit_smem()  # every thread's reads of this slot's buffers are done too
+
+            @pl.when(t + cfg.stages < n_steps)
+            def _():
+                issue(t + cfg.stages, slot)
+
+            def pv_mma(acc_ref):
+                plgpu.wgmma(acc_ref, vdec.T, p_smem.at[0].T)
+                plgpu.wgmma(acc_ref, vdec.T, p_smem.at[1].T)
+                return acc_ref[...]
+
+            pv_sum = pl.run_scoped(pv_mma, plgpu.ACC((d, gp), jnp.float32))
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [1]) + pv_sum
+            return o, m_new, lsum
+
+        wgmma = plgpu.Layout.WGMMA
+        init = (
+            plgpu.layout_cast(jnp.zeros((d, gp), jnp.float32), wgmma),
+            plgpu.layout_cast(jnp.full((gp,), _NEG_INIT, jnp.float32), wgmma.reduce(0)),
+            plgpu.layout_cast(jnp.zeros((_BK, gp), jnp.float32), wgmma),
+        )
+        return lax.fori_loop(0, n_steps, step, init)
+
+    hkv = kc_gmem.shape[2]
+    scratch = [
+        plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_SWIZZLE),  # q
+        plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),  # K code words
+        plgpu.SMEM((cfg.stages, _BK, hkv * sb), jnp.uint8),  # K block scales, all heads
+        plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),  # K global scales, all heads
+        plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),
+        plgpu.SMEM((cfg.stages, _BK, hkv * sb), jnp.uint8),
+        plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),
+        plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE),  # decoded V
+        plgpu.SMEM((2, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose, hi + lo
+        plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),
+    ]
+    if portable:
+        scratch.append(plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE))
+    o, m, lsum = pl.run_scoped(lambda *refs: body(*refs), *scratch)
+    l = lsum.sum(axis=0)
+
+    def store(o_smem, m_smem, l_smem):
+        o_smem[...] = o
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, split])
+        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, split])
+        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        store,
+        plgpu.SMEM((d, gp), jnp.float32),
+        plgpu.SMEM((gp,), jnp.float32),
+        plgpu.SMEM((gp,), jnp.float32),
+    )
+
+
+def _operands(stored: fp4.QTensor) -> list[jax.Array]:
+    """Code words [B, S, Hkv, D/8] uint32, block-scale bytes [B, S, Hkv * D/16] uint8 and
+    global scales [B, S, Hkv] float32: views of the cache's arrays (no copy)."""
+    b, s, hkv, d = stored.shape
+    codes = (
+        lax.bitcast_convert_type(stored.codes, jnp.uint8)
+        if stored.codes.dtype != jnp.uint8
+        else stored.codes
+    )
+    words = lax.bitcast_convert_type(codes.reshape(b, s, hkv, d // 8, 4), jnp.uint32)
+    scales = lax.bitcast_convert_type(stored.block_scales, jnp.uint8).reshape(b, s, hkv * d // 16)
+    return [words, scales, stored.global_scale.reshape(b, s, hkv).astype(jnp.float32)]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "config", "interpret"))
+def decode_attention_mgpu(
+    q: jax.Array,
+    k: fp4.QTensor,
+    v: fp4.QTensor,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    config: MgpuAttentionConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``fp4_decode_attention.decode_attention`` on an NVFP4 cache, on the tensor cores.
+
+    Args:
+      q: [B, Hq, D] bf16, the new tokens' queries (Hq a multiple of Hkv).
+      k, v: the layer's NVFP4 cache, logical [B, S, Hkv, D] (``supports`` says which shapes).
+      lengths: [B] int32, valid slots per sequence; slots >= length are ignored.
+      sm_scale: logit scale, 1/sqrt(D) when None.
+      window: attend to the last ``window`` slots only; None: all.
+      config: tiling; ``default_config(B, S, Hkv)`` when None.
+      interpret: the Mosaic GPU interpreter (CPU tests; the portable decode).
+    Returns:
+      [B, Hq, D] bf16 (zeros for a sequence of length 0).
+    """
+    from pallas_kernels.fp4_decode_attention import _cache_shape, _combine
+
+    b, s, hkv, d = _cache_shape(k)
+    if _cache_shape(v) != (b, s, hkv, d):
+        raise ValueError(f"decode_attention_mgpu: K {(b, s, hkv, d)} and V {v.shape} differ")
+    if q.shape[0] != b or q.shape[2] != d or q.shape[1] % hkv:
+        raise ValueError(
+            f"decode_attention_mgpu: q {q.shape} does not fit a [B={b}, Hkv={hkv}] cache"
+        )
+    if not supports(k, v, q.shape[1]):
+        raise ValueError(
+            f"decode_attention_mgpu: needs NVFP4 K and V, D a multiple of 64 (<= 256), S a "
+            f"multiple of 64 and Hkv a multiple of 4; got {k.fmt.name} [B={b}, S={s}, "
+            f"Hkv={hkv}, D={d}]"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention_mgpu: window must be >= 1, got {window}")
+    cfg = config or default_config(b, s, hkv)
+    if interpret:
+        cfg = dataclasses.replace(cfg, decode="portable")
+    cfg = dataclasses.replace(cfg, stages=max(1, min(cfg.stages, s // _BK)))
+    hq = q.shape[1]
+    g = hq // hkv
+    gp = -(-g // _COLS) * _COLS
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    order = column_order(d)
+    qp = q.astype(jnp.bfloat16).reshape(b, hkv, g, d)[..., order]
+    if gp != g:
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    splits = cfg.num_splits
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel, cfg=cfg, d=d, gp=gp, splits=splits, sm_scale=sm_scale, window=window
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((b, hkv, splits, d, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
+        ),
+        grid=(hkv, splits, b),
+        grid_names=("h", "s", "b"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *_operands(k), *_operands(v))
+    # o^T rows come in column order: back to D order, heads first
+    o = jnp.swapaxes(o_t, -1, -2)[..., np.argsort(order)]
+    (out,) = _combine([o[..., :g, :]], m[..., :g], l[..., :g])
+    return out.reshape(b, hq, d).astype(jnp.bfloat16)

@@ -1,0 +1,238 @@
+"""Tensor-core decode attention over an NVFP4 cache (Mosaic GPU) vs the pure-JAX reference: the
+Mosaic GPU interpreter on the CPU, its PTX decode run by a small interpreter of its instructions
+against the decode's ``jnp`` definition, the GPU path lowered for CUDA here, and the compiled
+kernel at the benchmark shapes on a GPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import kernel_checks as kc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import cuda_lowering
+from pallas_kernels import fp4_decode_attention as fa
+from pallas_kernels import fp4_decode_attention_mgpu as fm
+from trace_jax.rollout import kv_cache
+
+CFG = fm.MgpuAttentionConfig(num_splits=2)
+
+
+def _run(q, k, v, lengths, window=None, cfg=CFG, interpret=True):
+    return fm.decode_attention_mgpu(
+        q, k, v, lengths, window=window, config=cfg, interpret=interpret
+    )
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "hkv", "hq", "d", "lens", "cfg"),
+    [
+        # lengths 0, 1, the maximum and in between; G = 4 query heads padded to 8
+        (4, 192, 4, 16, 128, [0, 1, 192, 70], CFG),
+        # G = 8, one split per sequence, one buffer
+        (2, 128, 4, 32, 64, [128, 65], fm.MgpuAttentionConfig(num_splits=1, stages=1)),
+        # more splits than steps; 3 buffers
+        (2, 256, 4, 8, 64, [3, 250], fm.MgpuAttentionConfig(num_splits=3, stages=3)),
+    ],
+)
+def test_matches_reference_with_poisoned_stale_slots(b, s, hkv, hq, d, lens, cfg):
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=b + d)
+    lengths = jnp.array(lens, jnp.int32)
+    ref = fa.decode_attention_reference(q, k, v, lengths)
+    y = _run(q, kc.poison(k, lengths), kc.poison(v, lengths), lengths, cfg=cfg)
+    kc.assert_attn_close(y, ref)
+
+
+@pytest.mark.parametrize("window", [7, 21, 100])
+def test_sliding_window(window):
+    b, s, hkv, hq, d = 3, 256, 4, 8, 64
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=5)
+    lengths = jnp.array([1, 250, 130], jnp.int32)
+    lo = jnp.maximum(lengths - window, 0)
+    ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
+    y = _run(q, kc.poison(k, lengths, lo), kc.poison(v, lengths, lo), lengths, window=window)
+    kc.assert_attn_close(y, ref)
+
+
+def test_more_exact_than_the_triton_kernel():
+    # Both kernels over one cache (same masking, splits and combine): this one keeps p in two
+    # bf16 parts, so its error against the float32 reference is below the Triton kernel's,
+    # which rounds p to bf16 once (both round the output to bf16 once).
+    b, s, hkv, hq, d = 4, 128, 4, 16, 64
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=9)
+    lengths = jnp.array([97, 128, 1, 5], jnp.int32)
+    ref = np.asarray(_reference_f32(q, k, v, lengths))
+    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2)
+    triton = np.asarray(fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True))
+    y = np.asarray(_run(q, k, v, lengths), np.float32)
+    err = lambda out: np.linalg.norm(out.astype(np.float32) - ref)  # noqa: E731
+    assert err(y) < err(triton)
+    kc.assert_attn_close(y, ref)
+
+
+def _reference_f32(q, k, v, lengths):
+    """The reference's softmax without its final bf16 rounding."""
+    kf, vf = kv_cache.read(k, jnp.float32), kv_cache.read(v, jnp.float32)
+    b, s, hkv, d = kf.shape
+    qg = q.astype(jnp.float32).reshape(b, hkv, -1, d)
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bhgd,bshd->bhgs", qg, kf, precision=hp) / np.sqrt(d)
+    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    p = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhgs,bshd->bhgd", p, vf, precision=hp).reshape(b, -1, d)
+
+
+def test_column_order_is_a_permutation_of_whole_scale_blocks():
+    for d in (64, 128, 256):
+        order = fm.column_order(d)
+        assert sorted(order) == list(range(d))
+        # thread b's columns (8 j + 2 b + v) hold the D/4 positions from D b / 4
+        for b in range(4):
+            cols = [8 * j + 2 * b + v for j in range(d // 8) for v in range(2)]
+            assert sorted(order[cols]) == list(range(d // 4 * b, d // 4 * (b + 1)))
+
+
+# ----------------------------------------------------------------------------- the PTX decode
+
+_BF16 = ml_dtypes.bfloat16
+
+
+def _bf16_pair_mul(a: int, b: int) -> int:
+    """mul.rn.bf16x2: each 16-bit half multiplied in bf16, rounded to nearest even."""
+    out = 0
+    for half in (0, 16):
+        x, y = (np.array([(r >> half) & 0xFFFF], np.uint16).view(_BF16) for r in (a, b))
+        prod = (x.astype(np.float32) * y.astype(np.float32)).astype(_BF16)
+        out |= int(prod.view(np.uint16)[0]) << half
+    return out
+
+
+def _run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
+    """Interpret the decode's PTX (and, mul.lo.u32, shr, mul.rn.bf16x2; $i operands, outputs
+    first)."""
+    regs = {f"${n_out + i}": v for i, v in enumerate(args)}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in asm.splitlines():
+        m = re.match(r"\s*([\w.]+)\s+([^;]+);", line)
+        if not m or m.group(1).startswith(".reg"):
+            continue
+        op, operands = m.group(1), [t.strip() for t in m.group(2).split(",")]
+        dst, *src = operands
+        if op == "and.b32":
+            res = val(src[0]) & val(src[1])
+        elif op == "mul.lo.u32":
+            res = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            res = val(src[0]) >> val(src[1])
+        elif op == "mul.rn.bf16x2":
+            res = _bf16_pair_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[dst] = res
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ptx_decode_in_the_register_layout_equals_its_definition(d):
+    # Each thread of the warpgroup as _decode_asm runs it: its two rows' code words and scale
+    # bytes, the PTX, and the bf16 pairs placed where the wgmma register layout puts them
+    # (register (j, rh) of thread 32 w + 4 a + b: row 16 w + 8 rh + a, columns 8 j + 2 b + v).
+    rng = np.random.default_rng(d)
+    words = rng.integers(0, 2**32, (64, d // 8), dtype=np.uint64).astype(np.uint32)
+    # E4M3 block scales as the quantizer makes them: normal, positive (exponent field >= 1)
+    scales = rng.integers(0x08, 0x7F, (64, d // 16)).astype(np.uint8)
+    want = np.asarray(fm.decode_tile_reference(jnp.asarray(words), jnp.asarray(scales)))
+    got = np.zeros((64, d), np.uint16)
+    nw, nb = d // 32, d // 64
+    for t in range(128):
+        w, a, b = t // 32, (t % 32) // 4, t % 4
+        for rh in range(2):
+            row = 16 * w + 8 * rh + a
+            sc = [int(scales[row, nb * b + q]) * fm._SCALE_MULT + fm._SCALE_BIAS for q in range(nb)]
+            for u in range(nw):
+                outs = _run_ptx(fm._WORD_ASM, [int(words[row, nw * b + u]), sc[u // 2]], 4)
+                for i, pair in enumerate(outs):
+                    col = 8 * (4 * u + i) + 2 * b
+                    got[row, col], got[row, col + 1] = pair & 0xFFFF, pair >> 16
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    # and the definition is the cache's dequantized values in column order, times 2**(100-126)
+    assert np.isfinite(want.astype(np.float32)).all()
+
+
+def test_decode_reference_is_the_dequantized_cache():
+    b, s, hkv, d = 1, 64, 4, 128
+    _, k, _ = kc.attn_inputs("nvfp4", b, s, hkv, 8, d, seed=11)
+    words, scales, g = fm._operands(k)
+    tile = fm.decode_tile_reference(words[0, :, 2], scales[0, :, 2 * d // 16 : 3 * d // 16])
+    got = np.asarray(tile, np.float32) * np.asarray(g[0, :, 2])[:, None] * 2.0**26
+    want = np.asarray(kv_cache.read(k, jnp.float32))[0, :, 2][:, fm.column_order(d)]
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------- configs, errors
+
+
+def test_default_config_and_support():
+    assert fm.default_config(32, 8192, 4).num_splits * 32 * 4 >= 1024
+    assert fm.default_config(1, 64, 4).num_splits == 1
+    _, k, v = kc.attn_inputs("nvfp4", 1, 64, 4, 8, 64, seed=1)
+    assert fm.supports(k, v, 8)
+    _, k2, v2 = kc.attn_inputs("nvfp4", 1, 64, 2, 8, 64, seed=1)  # 8-byte scale rows: no TMA
+    assert not fm.supports(k2, v2, 8)
+    _, k3, v3 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 64, seed=1)
+    assert not fm.supports(k3, v3, 8)
+
+
+def test_bad_inputs():
+    q, k, v = kc.attn_inputs("nvfp4", 2, 64, 2, 4, 64, seed=1)
+    with pytest.raises(ValueError, match="Hkv a multiple of 4"):
+        _run(q, k, v, jnp.array([1, 2], jnp.int32))
+    q, k, v = kc.attn_inputs("nvfp4", 2, 64, 4, 8, 64, seed=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        _run(q[:, :6], k, v, jnp.array([1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="window"):
+        _run(q, k, v, jnp.array([1, 2], jnp.int32), window=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        fm.MgpuAttentionConfig(num_splits=0)
+
+
+def test_lowers_for_cuda():
+    # The GPU path (PTX decode, layout inference, TMA and barriers) lowered for CUDA here.
+    b, s, hkv, hq, d = 2, 256, 4, 32, 128
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=1)
+    fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
+    assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, q, k, v, jnp.array([1, 200]))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("b", "s"), [(32, 8192), (8, 32768), (64, 2048)])
+def test_gpu_benchmark_shapes(b, s):
+    hkv, hq, d = 4, 32, 128
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=b)
+    lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
+    lengths = lengths.at[0].set(1).at[1].set(s)
+    ref = fa.decode_attention_reference(q, k, v, lengths)
+    y = _run(q, kc.poison(k, lengths), kc.poison(v, lengths), lengths, cfg=None, interpret=False)
+    kc.assert_attn_close(y, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_window_splits_and_stages():
+    b, s, hkv, hq, d = 4, 512, 4, 32, 128
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=3)
+    lengths = jnp.array([1, s, 77, 300], jnp.int32)
+    for window in (None, 50):
+        lo = jnp.maximum(lengths - (window or s), 0)
+        ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
+        kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
+        for cfg in (None, fm.MgpuAttentionConfig(num_splits=3, stages=3)):
+            kc.assert_attn_close(_run(q, kp, vp, lengths, window, cfg=cfg, interpret=False), ref)
