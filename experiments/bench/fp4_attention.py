@@ -8,6 +8,8 @@
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --smoke    # tiny shapes, CPU interpret
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --append   # kv_append alone
     PYTHONPATH=. python3 experiments/bench/fp4_attention.py --fused    # append fused into attention
+    PYTHONPATH=. python3 experiments/bench/fp4_attention.py --mgpu \
+        --grid '[{}, {"stages": 3}, {"num_splits": 4}]'   # tensor-core NVFP4 kernel variants
 
 Method (shared/BENCHMARKING.md): every path is first compared with the pure-JAX reference on
 fresh random inputs (NaN fails); times are medians of repeated back-to-back runs of one jitted
@@ -35,6 +37,7 @@ import numpy as np
 
 from experiments.bench.fp4_matmul import rel_error, time_op
 from pallas_kernels import fp4_decode_attention as fa
+from pallas_kernels import fp4_decode_attention_mgpu as fm
 from trace_jax import fp4
 from trace_jax.rollout import kv_cache
 
@@ -99,6 +102,13 @@ def op_bytes(b, s, fmt):
 
 def ours(config=None):
     return lambda q, k, v, lengths: fa.decode_attention(q, k, v, lengths, config=config)
+
+
+def tensor_cores(config=None, interpret=False):
+    """The Mosaic GPU kernel (NVFP4 only)."""
+    return lambda q, k, v, lengths: fm.decode_attention_mgpu(
+        q, k, v, lengths, config=config, interpret=interpret
+    )
 
 
 def xla_reference(q, k, v, lengths):
@@ -374,12 +384,16 @@ def table(log, configs=None, shapes=SHAPES):
             cfg = (configs or {}).get((fmt, b, s))
             t, f, ok = timed(f"ours {fmt}", ours(cfg), case, b, s, fmt, log)
             res[fmt] = t
-            del case
             target = (
                 TARGETS[fmt] if (b, s) != (64, 2048) else (">= 2.5x bf16" if fmt == "nvfp4" else "")
             )
             vs_fp8 = f", {res['fp8'] / t:.2f}x fp8" if fmt != "fp8" else ""
             rows.append((f"ours, {fmt}", b, s, t, best, f, ok, target, vs_fp8))
+            if fmt == "nvfp4":
+                t, f, ok = timed("ours tensor cores nvfp4", tensor_cores(), case, b, s, fmt, log)
+                vs = f", {res['fp8'] / t:.2f}x fp8, {res['nvfp4'] / t:.2f}x Triton nvfp4"
+                rows.append(("ours tensor cores, nvfp4", b, s, t, best, f, ok, target, vs))
+            del case
         if b == 64:
             for path, (t_app, same) in time_append(b, s, "nvfp4", log).items():
                 rows.append(
@@ -460,6 +474,23 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS, grid=None):
     return best
 
 
+def mgpu_variants(log, shapes=SHAPES, grid=None):
+    """The tensor-core NVFP4 kernel with each ``MgpuAttentionConfig`` override of ``grid`` ({}:
+    the default), each checked, beside the Triton kernel's default on the same caches."""
+    for b, s in shapes:
+        case = make_case(b, s, "nvfp4", SETS, seed=b)
+        t_tr, _, _ = timed("Triton nvfp4 (default)", ours(), case, b, s, "nvfp4", log)
+        for g in grid or [{}]:
+            cfg = dataclasses.replace(fm.default_config(b, s, HKV), **g)
+            try:
+                t = timed(f"tensor cores {g}", tensor_cores(cfg), case, b, s, "nvfp4", log)[0]
+            except Exception as e:
+                print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(f"    {t_tr / t:.2f}x the Triton kernel", flush=True)
+        del case
+
+
 def diagnose(log, b=32, s=8192):
     """What the decode costs: the default tiling with the PTX decode and with the plain-jnp
     decode (more integer work per code), each checked."""
@@ -479,6 +510,10 @@ def smoke(log):
         cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=2)
         fn = lambda q, k, v, n, cfg=cfg: fa.decode_attention(q, k, v, n, config=cfg, interpret=True)  # noqa: E731
         print(fmt, "ok" if check(f"smoke {fmt}", fn, case, log) else "FAIL", flush=True)
+        if fmt == "nvfp4":
+            fn = tensor_cores(fm.MgpuAttentionConfig(num_splits=2), interpret=True)
+            ok = check("smoke tensor cores nvfp4", fn, case, log)
+            print("nvfp4 tensor cores", "ok" if ok else "FAIL", flush=True)
 
 
 def main(argv=None):
@@ -489,6 +524,9 @@ def main(argv=None):
     p.add_argument("--append", action="store_true", help="only time kv_append (B=64 S=2048)")
     p.add_argument(
         "--fused", action="store_true", help="append fused into the attention (B=64 S=2048)"
+    )
+    p.add_argument(
+        "--mgpu", action="store_true", help="tensor-core NVFP4 kernel variants (--grid, --shapes)"
     )
     p.add_argument("--formats", default=",".join(FORMATS), help="formats for --sweep")
     p.add_argument(
@@ -514,6 +552,11 @@ def main(argv=None):
     elif args.fused:
         for fmt in ("nvfp4", "mxfp4", "bf16"):
             time_fused(64, 2048, fmt, log)
+    elif args.mgpu:
+        shapes = args.shapes and tuple(
+            tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")
+        )
+        mgpu_variants(log, shapes or SHAPES, json.loads(args.grid) if args.grid else None)
     else:
         shapes = (
             tuple(tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(","))
