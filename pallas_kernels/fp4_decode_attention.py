@@ -43,6 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp4_decode_attention_mgpu as tc
 from pallas_kernels.fp4_matmul import _dequant_portable, _scale_bf16_bits
 from trace_jax import fp4
 from trace_jax.fp4.formats import E8M0_NAN
@@ -445,7 +446,9 @@ def _combine(o_parts, m, l):
     return [jnp.sum(w[..., None] * o, axis=2) * inv[..., None] for o in o_parts]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "config", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "window", "config", "tensor_cores", "interpret")
+)
 def decode_attention(
     q: jax.Array,
     k: kv_cache.Stored,
@@ -455,6 +458,7 @@ def decode_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     config: DecodeAttentionConfig | None = None,
+    tensor_cores: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention of one new query token per sequence over the KV cache.
@@ -469,11 +473,17 @@ def decode_attention(
       sm_scale: logit scale, 1/sqrt(D) when None.
       window: attend to the last ``window`` slots only (sliding window); None: all.
       config: tiling; ``default_config(B, S, Hkv, fmt)`` when None.
+      tensor_cores: an NVFP4 cache that ``fp4_decode_attention_mgpu.supports`` takes goes to
+        that kernel (Mosaic GPU, its default tiling; ``config`` is not used); other caches here.
       interpret: run the Pallas interpreter (CPU tests).
     Returns:
       [B, Hq, D] bf16 (zeros for a sequence of length 0).
     """
     fmt, cfg = _check(q, k, v, window, config, interpret)
+    if tensor_cores and tc.supports(k, v, q.shape[1]):
+        return tc.decode_attention_mgpu(
+            q, k, v, lengths, sm_scale=sm_scale, window=window, interpret=interpret
+        )
     out, _ = _attention_call(
         q, _operands(k), _operands(v), lengths, fmt, cfg, sm_scale, window, interpret
     )
@@ -481,7 +491,9 @@ def decode_attention(
 
 
 @functools.partial(
-    jax.jit, donate_argnums=(1, 2), static_argnames=("sm_scale", "window", "config", "interpret")
+    jax.jit,
+    donate_argnums=(1, 2),
+    static_argnames=("sm_scale", "window", "config", "tensor_cores", "interpret"),
 )
 def decode_attention_append(
     q: jax.Array,
@@ -496,6 +508,7 @@ def decode_attention_append(
     sm_scale: float | None = None,
     window: int | None = None,
     config: DecodeAttentionConfig | None = None,
+    tensor_cores: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, kv_cache.Stored, kv_cache.Stored]:
     """Write the new token's K and V into the cache and attend over it, in one kernel launch.
@@ -516,6 +529,7 @@ def decode_attention_append(
       qts: for FP4 caches, the ``QTensor`` each KV site quantized (as ``kv_append``).
       valid: [B] bool, which sequences take a token (all when None).
       sm_scale, window, config, interpret: as ``decode_attention``.
+      tensor_cores: as ``decode_attention`` (the append is then its own launch).
     Returns:
       (out [B, Hq, D] bf16, updated k, updated v).
     """
@@ -524,10 +538,16 @@ def decode_attention_append(
     qts = list(qts) if qts is not None else [None, None]
     ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
     taken = ok & (lengths < s) & (lengths >= 0)
-    if fmt == "fp8" or not (interpret or kernel_fits([k, v])):
+    on_tensor_cores = tensor_cores and tc.supports(k, v, q.shape[1])
+    if on_tensor_cores or fmt == "fp8" or not (interpret or kernel_fits([k, v])):
         k, v = kv_append_many(
             [k, v], [new_k, new_v], lengths, qts=qts, valid=ok, interpret=interpret
         )
+        if on_tensor_cores:
+            out = tc.decode_attention_mgpu(
+                q, k, v, lengths + taken, sm_scale=sm_scale, window=window, interpret=interpret
+            )
+            return out, k, v
         out, _ = _attention_call(
             q, _operands(k), _operands(v), lengths + taken, fmt, cfg, sm_scale, window, interpret
         )

@@ -46,7 +46,9 @@ class RolloutConfig:
       does not apply), and single-token decode steps attend with the decode-attention kernel
       over the stored cache (bf16 compute dtype).
     kernels: which Pallas kernels the "pallas" backend uses: "moe" (grouped FP4 expert matmul)
-      and/or "attention" (decode attention).
+      and/or "attention" (decode attention, the K/V append fused into its launch) or
+      "attention_tc" (an NVFP4 cache the tensor-core kernel takes goes to it, with the append
+      as its own launch; other caches as "attention").
     """
 
     max_len: int = 256
@@ -57,15 +59,17 @@ class RolloutConfig:
     pad_token: int = 0
     fp4_weights: bool = True
     backend: Literal["xla", "pallas"] = "xla"
-    kernels: tuple[Literal["moe", "attention"], ...] = ("moe", "attention")
+    kernels: tuple[Literal["moe", "attention", "attention_tc"], ...] = ("moe", "attention")
 
     def __post_init__(self):
         if self.max_len <= 0 or self.max_new_tokens <= 0:
             raise ConfigError("max_len and max_new_tokens must be positive")
         if self.backend not in ("xla", "pallas"):
             raise ConfigError(f"backend: must be 'xla' or 'pallas', got {self.backend!r}")
-        if not set(self.kernels) <= {"moe", "attention"}:
-            raise ConfigError(f"kernels: {self.kernels!r} are not among 'moe', 'attention'")
+        if not set(self.kernels) <= {"moe", "attention", "attention_tc"}:
+            raise ConfigError(
+                f"kernels: {self.kernels!r} are not among 'moe', 'attention', 'attention_tc'"
+            )
 
 
 @jax.tree_util.register_dataclass
@@ -276,7 +280,7 @@ class RolloutEngine:
         # not a multiple of the kernel's 16-slot steps).
         kernel = (
             self.cfg.backend == "pallas"
-            and "attention" in self.cfg.kernels
+            and ({"attention", "attention_tc"} & set(self.cfg.kernels))
             and t == 1
             and dtype == jnp.bfloat16
             and s % 16 == 0
@@ -294,6 +298,7 @@ class RolloutEngine:
                     lengths,
                     qts=tuple(codes),
                     valid=valid[:, 0],
+                    tensor_cores="attention_tc" in self.cfg.kernels,
                     interpret=interpret,
                 )
                 return out[:, None], kv_cache.LayerCache(k_buf, v_buf)
