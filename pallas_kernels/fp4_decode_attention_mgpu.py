@@ -1,4 +1,4 @@
-"""Decode attention over an NVFP4 KV cache on Hopper tensor cores (Mosaic GPU).
+"""Decode attention over an NVFP4 or MXFP4 KV cache on Hopper tensor cores (Mosaic GPU).
 
 One new query token per sequence against its cache slots, as ``fp4_decode_attention`` (same
 arguments, same flash-decoding splits and ``_combine``), with the slots on the matrix unit's wide
@@ -96,16 +96,18 @@ def default_config(batch: int, max_len: int, kv_heads: int) -> MgpuAttentionConf
 
 
 def supports(k: kv_cache.Stored, v: kv_cache.Stored, q_heads: int) -> bool:
-    """Whether the kernel takes this cache: NVFP4 K and V with D a multiple of 64 (at most
-    256), a length that is a multiple of 64, at most 256 query heads per KV head, and 16-byte
-    TMA rows for the scales of a slot (``Hkv * D / 16`` block-scale bytes and ``Hkv`` global
-    scales: Hkv a multiple of 4)."""
-    if not all(isinstance(t, fp4.QTensor) and t.fmt.name == "nvfp4" for t in (k, v)):
+    """Whether the kernel takes this cache: NVFP4 K and V with D a multiple of 64 (at most 256)
+    or MXFP4 with D = 128 (a head's four scale bytes are one 32-bit word), a length that is a
+    multiple of 64, at most 256 query heads per KV head, and 16-byte TMA rows for the scales of
+    a slot (Hkv a multiple of 4)."""
+    if not all(isinstance(t, fp4.QTensor) for t in (k, v)):
+        return False
+    fmt = k.fmt.name
+    if fmt not in ("nvfp4", "mxfp4") or v.fmt.name != fmt:
         return False
     _, s, hkv, d = k.shape
     return (
-        d % 64 == 0
-        and d <= 256
+        (d % 64 == 0 and d <= 256 if fmt == "nvfp4" else d == 128)
         and s % _BK == 0
         and hkv % 4 == 0
         and q_heads % hkv == 0
@@ -156,22 +158,60 @@ mul.rn.bf16x2 $3, t, $5;
 _SCALE_MULT = 0x00100010
 _SCALE_BIAS = ((_OFFSET + 120) << 7) * 0x10001
 
+# MXFP4 (D = 128): a row's four E8M0 block exponents $2 (one word) and the bit offset $3 of the
+# thread's block -> $0 the block's bf16 scale pair and $1 the float32 bits of the row's factor.
+# As the Triton kernel, the row's largest exponent m goes to the top of bf16's range: the pair
+# is 2**(x - m + 127) (x the block's byte), so the decoded value code * 2**-126 * pair is
+# code * 2**(x - 127) * 2**(128 - m), and the factor 2**(m - 128) (at least 2**-126) restores
+# it. Blocks more than 126 binades below the row's largest decode to 0 (their products would be
+# bf16 subnormals). A NaN block (0xFF) makes the factor NaN and still decodes finite values, so
+# a masked-out slot never yields a non-finite tile.
+_MX_SCALE_ASM = """
+{
+.reg .b32 lo, hi, mm, m, x, e, f;
+.reg .pred p;
+and.b32 lo, $2, 0x00FF00FF;
+shr.b32 hi, $2, 8;
+and.b32 hi, hi, 0x00FF00FF;
+max.u16x2 mm, lo, hi;
+and.b32 lo, mm, 0xFFFF;
+shr.b32 hi, mm, 16;
+max.u32 m, lo, hi;
+bfe.u32 x, $2, $3, 8;
+sub.s32 e, x, m;
+add.s32 e, e, 254;
+setp.lt.s32 p, e, 128;
+selp.b32 e, 0, e, p;
+mul.lo.u32 $0, e, 0x00800080;
+sub.s32 f, m, 1;
+max.s32 f, f, 1;
+shl.b32 f, f, 23;
+setp.eq.u32 p, m, 255;
+selp.b32 $1, 0x7FC00000, f, p;
+}
+"""
 
-def _decode_asm(codes_ref, scales_ref, d: int):
-    """[64, D/8] uint32 code words and [64, D/16] uint8 block scales (shared memory, one KV
-    head's) -> the bf16 [64, D] tile in the ``wgmma`` register layout, columns in
-    ``column_order(D)``."""
+
+def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
+    """[64, D/8] uint32 code words and one KV head's block scales in shared memory (NVFP4:
+    [64, D/16] uint8 E4M3 bytes; MXFP4: [64, 1] uint32, the four E8M0 bytes) -> (the bf16
+    [64, D] tile in the ``wgmma`` register layout, columns in ``column_order(D)``; the rows'
+    float32 factors [64] in the layout of s^T's rows, or None for NVFP4, whose factor is the
+    constant ``2**(126 - offset)``)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     words = d // 32  # code words of a thread's row
-    blocks = d // 64  # scale blocks of a thread's row
+    blocks = d // 64  # NVFP4 scale blocks of a thread's row
+    mx = fmt == "mxfp4"
+    tile_type = plgpu.ShapeDtypeStruct((_BK, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+    row_type = plgpu.ShapeDtypeStruct((_BK,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((_BK, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        return_type=(tile_type, row_type) if mx else tile_type,
     )
     def decode(_, c_ref, s_ref):
         i32 = ir.IntegerType.get_signless(32)
@@ -186,50 +226,81 @@ def _decode_asm(codes_ref, scales_ref, d: int):
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         struct = llvm.StructType.get_literal([i32] * 4)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_BK, d)), dtype=object)
+        row_layout = mgpu.WGMMA_ROW_LAYOUT
+        factors = np.empty(row_layout.registers_shape((_BK,)), dtype=object)
         for rh in range(2):
             row = arith.addi(r0, c(8 * rh))
-            vec = vector.load(
-                ir.VectorType.get((words,), i32),
-                c_ref,
-                [idx(row), idx(arith.muli(lane_b, c(words)))],
-            )
-            sc = []
-            for q in range(blocks):
-                col = arith.addi(arith.muli(lane_b, c(blocks)), c(q))
-                byte = arith.extui(i32, memref.load(s_ref, [idx(row), idx(col)]))
-                sc.append(arith.addi(arith.muli(byte, c(_SCALE_MULT)), c(_SCALE_BIAS)))
+            first = idx(arith.muli(lane_b, c(words)))
+            vec = vector.load(ir.VectorType.get((words,), i32), c_ref, [idx(row), first])
+            if mx:  # the thread's 32 positions are block b
+                word = memref.load(s_ref, [idx(row), arith.constant(index, 0)])
+                pair_struct = llvm.StructType.get_literal([i32] * 2)
+                out = llvm.inline_asm(
+                    pair_struct, [word, arith.muli(lane_b, c(8))], _MX_SCALE_ASM, "=r,=r,r,r"
+                )
+                sc = [llvm.extractvalue(i32, out, [0])]
+                bits = llvm.extractvalue(i32, out, [1])
+                f32 = ir.F32Type.get()
+                factors[0, 0, rh, 0, 0] = vector.broadcast(
+                    ir.VectorType.get((1,), f32), arith.bitcast(f32, bits)
+                )
+            else:
+                sc = []
+                for q in range(blocks):
+                    col = arith.addi(arith.muli(lane_b, c(blocks)), c(q))
+                    byte = arith.extui(i32, memref.load(s_ref, [idx(row), idx(col)]))
+                    sc.append(arith.addi(arith.muli(byte, c(_SCALE_MULT)), c(_SCALE_BIAS)))
             for u in range(words):
                 x = vector.extract(vec, [], [u])
-                out = llvm.inline_asm(struct, [x, sc[u // 2]], _WORD_ASM, "=r,=r,=r,=r,r,r")
+                out = llvm.inline_asm(
+                    struct, [x, sc[0 if mx else u // 2]], _WORD_ASM, "=r,=r,=r,=r,r,r"
+                )
                 for i in range(4):
                     bits = llvm.extractvalue(i32, out, [i])
                     regs[0, 4 * u + i, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+        tile = mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+        if not mx:
+            return tile
+        return tile, mgpu.FragmentedArray(_registers=factors, _layout=row_layout, _is_signed=None)
 
-    return decode(codes_ref, scales_ref)
+    out = decode(codes_ref, scales_ref)
+    return out if mx else (out, None)
 
 
-def decode_tile_reference(words: jax.Array, scale_bytes: jax.Array) -> jax.Array:
-    """What the decode makes, in ``jnp``: code words [R, D/8] uint32 and E4M3 block-scale
-    bytes [R, D/16] uint8 -> bf16 [R, D] worth ``code * scale * 2**(offset - 126)``, columns in
-    ``column_order(D)`` (exact)."""
+def decode_tile_reference(words: jax.Array, scales: jax.Array, fmt: str = "nvfp4"):
+    """What the decode makes, in ``jnp``: code words [R, D/8] uint32 and one KV head's block
+    scales (NVFP4: E4M3 bytes [R, D/16] uint8; MXFP4: [R] or [R, 1] uint32 of four E8M0
+    bytes, D = 128) -> (bf16 [R, D] in ``column_order(D)``, float32 [R] row factors) whose
+    product is the dequantized row before its global scale: exactly, except MXFP4 blocks more
+    than 126 binades below the row's largest, which decode to 0 (``_MX_SCALE_ASM``)."""
     r, n = words.shape
     d = 8 * n
     nib = jnp.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(r, d)
     mag = (nib & 7).astype(jnp.float32)
     e2m1 = 0.5 * mag + 0.5 * jnp.maximum(mag - 4, 0) + jnp.maximum(mag - 6, 0)
     val = jnp.where(nib >= 8, -e2m1, e2m1)
-    # E4M3 (bias 7, normal: quantized NVFP4 scales are) -> scale * 2**(offset - 126) in float32
-    sb = scale_bytes.astype(jnp.uint32)
-    sf = lax.bitcast_convert_type(((sb & 0x7F) << 20) + ((_OFFSET - 6) << 23), jnp.float32)
-    val = (val.reshape(r, d // 16, 16) * sf[:, :, None]).reshape(r, d)
+    pow2 = lambda e: lax.bitcast_convert_type(e.astype(jnp.uint32) << 23, jnp.float32)  # noqa: E731
+    if fmt == "nvfp4":
+        # E4M3 (bias 7, normal: quantized NVFP4 scales are) -> scale * 2**(offset - 126)
+        sb = scales.astype(jnp.uint32)
+        sf = lax.bitcast_convert_type(((sb & 0x7F) << 20) + ((_OFFSET - 6) << 23), jnp.float32)
+        val = (val.reshape(r, d // 16, 16) * sf[:, :, None]).reshape(r, d)
+        factor = jnp.full((r,), 2.0 ** (126 - _OFFSET), jnp.float32)
+    else:
+        w = scales.reshape(r).astype(jnp.uint32)
+        x = jnp.stack([(w >> (8 * j)) & 0xFF for j in range(4)], axis=-1).astype(jnp.int32)
+        m = jnp.max(x, axis=-1, keepdims=True)
+        e = x - m + 254  # the pair's exponent field: value code * 2**(e - 253), normal for e >= 128
+        sf = jnp.where(e >= 128, pow2(jnp.maximum(e - 126, 1)), 0.0)  # 2**(e - 253)
+        val = (val.reshape(r, 4, 32) * sf[:, :, None]).reshape(r, d)
+        factor = jnp.where(m[:, 0] == 255, jnp.nan, pow2(jnp.maximum(m[:, 0] - 1, 1)))
     # D position (D/4) b + 8 u + 4 v + i -> column 8 (4 u + i) + 2 b + v (``column_order``)
     val = val.reshape(r, 4, d // 32, 2, 4).transpose(0, 2, 4, 1, 3).reshape(r, d)
-    return val.astype(jnp.bfloat16)
+    return val.astype(jnp.bfloat16), factor
 
 
-def _decode_portable(codes_ref, scales_ref, d: int):
-    return decode_tile_reference(codes_ref[...], scales_ref[...])
+def _decode_portable(codes_ref, scales_ref, d: int, fmt: str):
+    return decode_tile_reference(codes_ref[...], scales_ref[...], fmt)
 
 
 def _load_column(ref):
@@ -288,8 +359,10 @@ def _kernel(
     splits,
     sm_scale,
     window,
+    fmt,
 ):
     h = lax.axis_index("h")
+    hkv = kc_gmem.shape[2]
     split = lax.axis_index("s")
     b = lax.axis_index("b")
     hi = len_gmem[b]
@@ -299,11 +372,17 @@ def _kernel(
     per_split = pl.cdiv(n_blocks, splits)
     first = split * per_split
     n_steps = jnp.clip(n_blocks - first, 0, per_split)
-    sb = d // 16  # block-scale bytes of a head
     portable = cfg.decode == "portable"
-    decode = functools.partial(_decode_portable if portable else _decode_asm, d=d)
-    logit_scale = np.float32(sm_scale * _LOG2E * 2.0 ** (126 - _OFFSET))  # softmax in base 2
-    v_scale = np.float32(2.0 ** (126 - _OFFSET))
+    decode = functools.partial(_decode_portable if portable else _decode_asm, d=d, fmt=fmt)
+    logit_scale = np.float32(sm_scale * _LOG2E)  # softmax in base 2
+
+    def head_scales(ref):
+        """This KV head's block scales in a [64, Hkv * X] tile."""
+        width = ref.shape[-1] // hkv
+        return ref.at[:, pl.ds(h * width, width)]
+
+    def with_factor(row, factor):
+        return row * (np.float32(2.0 ** (126 - _OFFSET)) if factor is None else factor)
 
     def body(q_smem, kc, ks, kg, vc, vs, vg, vdec, p_smem, kbar, vbar, qbar, kdec=None):
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, qbar.at[0])
@@ -334,7 +413,7 @@ def _kernel(
             slot = lax.rem(t, cfg.stages)
             start = lo_aligned + (first + t) * _BK
             plgpu.barrier_wait(kbar.at[slot])
-            a = decode(kc.at[slot], ks.at[slot, :, pl.ds(h * sb, sb)])
+            a, k_factor = decode(kc.at[slot], head_scales(ks.at[slot]))
 
             def scores(acc_ref):
                 if kdec is None:
@@ -346,7 +425,7 @@ def _kernel(
                 return acc_ref[...]
 
             st = pl.run_scoped(scores, plgpu.ACC((_BK, gp), jnp.float32))
-            kg_row = row_vector(kg.at[slot]) * logit_scale
+            kg_row = with_factor(row_vector(kg.at[slot]), k_factor) * logit_scale
             s = st * lax.broadcast_in_dim(kg_row, st.shape, [0])
             pos = start + plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA)
             valid = (pos >= lo) & (pos < hi)
@@ -355,10 +434,11 @@ def _kernel(
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
             lsum = lsum * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-            vg_row = row_vector(vg.at[slot]) * v_scale
-            pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
             plgpu.barrier_wait(vbar.at[slot])
-            vdec[...] = decode(vc.at[slot], vs.at[slot, :, pl.ds(h * sb, sb)])
+            v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]))
+            vdec[...] = v_tile
+            vg_row = with_factor(row_vector(vg.at[slot]), v_factor)
+            pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
             p_hi = pv.astype(jnp.bfloat16)
             p_smem.at[0].T[...] = p_hi
             p_smem.at[1].T[...] = (pv - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -385,14 +465,14 @@ def _kernel(
         )
         return lax.fori_loop(0, n_steps, step, init)
 
-    hkv = kc_gmem.shape[2]
+    scale_cols, scale_dtype = ks_gmem.shape[2], ks_gmem.dtype
     scratch = [
         plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_SWIZZLE),  # q
         plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),  # K code words
-        plgpu.SMEM((cfg.stages, _BK, hkv * sb), jnp.uint8),  # K block scales, all heads
+        plgpu.SMEM((cfg.stages, _BK, scale_cols), scale_dtype),  # K block scales, all heads
         plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),  # K global scales, all heads
         plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),
-        plgpu.SMEM((cfg.stages, _BK, hkv * sb), jnp.uint8),
+        plgpu.SMEM((cfg.stages, _BK, scale_cols), scale_dtype),
         plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),
         plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE),  # decoded V
         plgpu.SMEM((2, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose, hi + lo
@@ -424,16 +504,17 @@ def _kernel(
 
 
 def _operands(stored: fp4.QTensor) -> list[jax.Array]:
-    """Code words [B, S, Hkv, D/8] uint32, block-scale bytes [B, S, Hkv * D/16] uint8 and
-    global scales [B, S, Hkv] float32: views of the cache's arrays (no copy)."""
+    """Code words [B, S, Hkv, D/8] uint32, block scales (NVFP4: [B, S, Hkv * D/16] uint8
+    E4M3 bytes; MXFP4: [B, S, Hkv] uint32, each the four E8M0 bytes of a head) and global scales
+    [B, S, Hkv] float32: views of the cache's arrays (no copy)."""
     b, s, hkv, d = stored.shape
-    codes = (
-        lax.bitcast_convert_type(stored.codes, jnp.uint8)
-        if stored.codes.dtype != jnp.uint8
-        else stored.codes
-    )
-    words = lax.bitcast_convert_type(codes.reshape(b, s, hkv, d // 8, 4), jnp.uint32)
-    scales = lax.bitcast_convert_type(stored.block_scales, jnp.uint8).reshape(b, s, hkv * d // 16)
+    as_u8 = lambda a: a if a.dtype == jnp.uint8 else lax.bitcast_convert_type(a, jnp.uint8)  # noqa: E731
+    words = lax.bitcast_convert_type(as_u8(stored.codes).reshape(b, s, hkv, d // 8, 4), jnp.uint32)
+    scales = as_u8(stored.block_scales)
+    if stored.fmt.name == "mxfp4":
+        scales = lax.bitcast_convert_type(scales.reshape(b, s, hkv, 4), jnp.uint32)
+    else:
+        scales = scales.reshape(b, s, hkv * d // 16)
     return [words, scales, stored.global_scale.reshape(b, s, hkv).astype(jnp.float32)]
 
 
@@ -449,11 +530,13 @@ def decode_attention_mgpu(
     config: MgpuAttentionConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``fp4_decode_attention.decode_attention`` on an NVFP4 cache, on the tensor cores.
+    """``fp4_decode_attention.decode_attention`` on an NVFP4 or MXFP4 cache, on the tensor
+    cores.
 
     Args:
       q: [B, Hq, D] bf16, the new tokens' queries (Hq a multiple of Hkv).
-      k, v: the layer's NVFP4 cache, logical [B, S, Hkv, D] (``supports`` says which shapes).
+      k, v: the layer's NVFP4 or MXFP4 cache, logical [B, S, Hkv, D] (``supports`` says which
+        shapes).
       lengths: [B] int32, valid slots per sequence; slots >= length are ignored.
       sm_scale: logit scale, 1/sqrt(D) when None.
       window: attend to the last ``window`` slots only; None: all.
@@ -473,9 +556,9 @@ def decode_attention_mgpu(
         )
     if not supports(k, v, q.shape[1]):
         raise ValueError(
-            f"decode_attention_mgpu: needs NVFP4 K and V, D a multiple of 64 (<= 256), S a "
-            f"multiple of 64 and Hkv a multiple of 4; got {k.fmt.name} [B={b}, S={s}, "
-            f"Hkv={hkv}, D={d}]"
+            f"decode_attention_mgpu: needs NVFP4 K and V with D a multiple of 64 (<= 256) or "
+            f"MXFP4 with D = 128, S a multiple of 64 and Hkv a multiple of 4; got "
+            f"{k.fmt.name}/{v.fmt.name} [B={b}, S={s}, Hkv={hkv}, D={d}]"
         )
     if window is not None and window < 1:
         raise ValueError(f"decode_attention_mgpu: window must be >= 1, got {window}")
@@ -494,7 +577,14 @@ def decode_attention_mgpu(
     splits = cfg.num_splits
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel, cfg=cfg, d=d, gp=gp, splits=splits, sm_scale=sm_scale, window=window
+            _kernel,
+            cfg=cfg,
+            d=d,
+            gp=gp,
+            splits=splits,
+            sm_scale=sm_scale,
+            window=window,
+            fmt=k.fmt.name,
         ),
         out_type=(
             jax.ShapeDtypeStruct((b, hkv, splits, d, gp), jnp.float32),

@@ -45,6 +45,18 @@ def test_matches_reference_with_poisoned_stale_slots(b, s, hkv, hq, d, lens, cfg
     kc.assert_attn_close(y, ref)
 
 
+@pytest.mark.parametrize("window", [None, 30])
+def test_mxfp4_matches_reference_with_poisoned_stale_slots(window):
+    # NaN bytes (0xFF) in stale slots' E8M0 scales too: they must decode to finite values
+    b, s, hkv, hq, d, lens = 3, 192, 4, 16, 128, [1, 192, 100]
+    q, k, v = kc.attn_inputs("mxfp4", b, s, hkv, hq, d, seed=21)
+    lengths = jnp.array(lens, jnp.int32)
+    lo = None if window is None else jnp.maximum(lengths - window, 0)
+    ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
+    y = _run(q, kc.poison(k, lengths, lo), kc.poison(v, lengths, lo), lengths, window=window)
+    kc.assert_attn_close(y, ref)
+
+
 @pytest.mark.parametrize("window", [7, 21, 100])
 def test_sliding_window(window):
     b, s, hkv, hq, d = 3, 256, 4, 8, 64
@@ -109,9 +121,13 @@ def _bf16_pair_mul(a: int, b: int) -> int:
     return out
 
 
+def _signed(v: int) -> int:
+    return v - (1 << 32) if v & 0x80000000 else v
+
+
 def _run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
-    """Interpret the decode's PTX (and, mul.lo.u32, shr, mul.rn.bf16x2; $i operands, outputs
-    first)."""
+    """Interpret the decode's PTX: the integer, predicate and ``mul.rn.bf16x2`` instructions
+    it uses ($i operands, outputs first; registers p* are predicates)."""
     regs = {f"${n_out + i}": v for i, v in enumerate(args)}
 
     def val(tok):
@@ -124,53 +140,90 @@ def _run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
             continue
         op, operands = m.group(1), [t.strip() for t in m.group(2).split(",")]
         dst, *src = operands
+        a = [val(x) for x in src if not x.startswith("p")] if op != "selp.b32" else None
         if op == "and.b32":
-            res = val(src[0]) & val(src[1])
+            res = a[0] & a[1]
         elif op == "mul.lo.u32":
-            res = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
+            res = a[0] * a[1]
         elif op == "shr.b32":
-            res = val(src[0]) >> val(src[1])
+            res = a[0] >> a[1]
+        elif op == "shl.b32":
+            res = a[0] << a[1]
+        elif op == "bfe.u32":
+            res = (a[0] >> a[1]) & ((1 << a[2]) - 1)
+        elif op == "max.u16x2":
+            res = max(a[0] & 0xFFFF, a[1] & 0xFFFF) | max(a[0] >> 16, a[1] >> 16) << 16
+        elif op == "max.u32":
+            res = max(a)
+        elif op in ("sub.s32", "add.s32", "max.s32"):
+            x, y = (_signed(v) for v in a)
+            res = {"sub.s32": x - y, "add.s32": x + y, "max.s32": max(x, y)}[op]
+        elif op == "setp.lt.s32":
+            res = _signed(a[0]) < _signed(a[1])
+        elif op == "setp.eq.u32":
+            res = a[0] == a[1]
+        elif op == "selp.b32":
+            res = val(src[0]) if regs[src[2]] else val(src[1])
         elif op == "mul.rn.bf16x2":
-            res = _bf16_pair_mul(val(src[0]), val(src[1]))
+            res = _bf16_pair_mul(a[0], a[1])
         else:
             raise AssertionError(f"unexpected instruction {op}")
-        regs[dst] = res
+        regs[dst] = res if isinstance(res, bool) else res & 0xFFFFFFFF
     return [regs[f"${i}"] for i in range(n_out)]
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_ptx_decode_in_the_register_layout_equals_its_definition(d):
+@pytest.mark.parametrize(("fmt", "d"), [("nvfp4", 64), ("nvfp4", 128), ("mxfp4", 128)])
+def test_ptx_decode_in_the_register_layout_equals_its_definition(fmt, d):
     # Each thread of the warpgroup as _decode_asm runs it: its two rows' code words and scale
     # bytes, the PTX, and the bf16 pairs placed where the wgmma register layout puts them
     # (register (j, rh) of thread 32 w + 4 a + b: row 16 w + 8 rh + a, columns 8 j + 2 b + v).
     rng = np.random.default_rng(d)
     words = rng.integers(0, 2**32, (64, d // 8), dtype=np.uint64).astype(np.uint32)
-    # E4M3 block scales as the quantizer makes them: normal, positive (exponent field >= 1)
-    scales = rng.integers(0x08, 0x7F, (64, d // 16)).astype(np.uint8)
-    want = np.asarray(fm.decode_tile_reference(jnp.asarray(words), jnp.asarray(scales)))
+    if fmt == "nvfp4":  # E4M3 scales as the quantizer makes them: normal (exponent field >= 1)
+        scales = rng.integers(0x08, 0x7F, (64, d // 16)).astype(np.uint8)
+    else:  # E8M0 bytes: rows of near exponents, rows spanning > 126 binades, NaN blocks
+        scales = rng.integers(100, 140, (64, 4)).astype(np.uint8)
+        scales[::5, 1] = 250
+        scales[::7, 2] = 255
+        scales[3] = [0, 1, 0, 0]
+        scales = scales.view(np.uint32)[:, 0]
+    tile, factor = fm.decode_tile_reference(jnp.asarray(words), jnp.asarray(scales), fmt)
+    want = np.asarray(tile)
     got = np.zeros((64, d), np.uint16)
+    got_factor = np.full(64, 2.0 ** (126 - fm._OFFSET), np.float32)
     nw, nb = d // 32, d // 64
     for t in range(128):
         w, a, b = t // 32, (t % 32) // 4, t % 4
         for rh in range(2):
             row = 16 * w + 8 * rh + a
-            sc = [int(scales[row, nb * b + q]) * fm._SCALE_MULT + fm._SCALE_BIAS for q in range(nb)]
+            if fmt == "nvfp4":
+                sc = [
+                    int(scales[row, nb * b + q]) * fm._SCALE_MULT + fm._SCALE_BIAS
+                    for q in range(nb)
+                ]
+            else:
+                pair, bits = _run_ptx(fm._MX_SCALE_ASM, [int(scales[row]), 8 * b], 2)
+                sc = [pair]
+                got_factor[row] = np.array([bits], np.uint32).view(np.float32)[0]
             for u in range(nw):
-                outs = _run_ptx(fm._WORD_ASM, [int(words[row, nw * b + u]), sc[u // 2]], 4)
+                s_pair = sc[u // 2] if fmt == "nvfp4" else sc[0]
+                outs = _run_ptx(fm._WORD_ASM, [int(words[row, nw * b + u]), s_pair], 4)
                 for i, pair in enumerate(outs):
                     col = 8 * (4 * u + i) + 2 * b
                     got[row, col], got[row, col + 1] = pair & 0xFFFF, pair >> 16
     np.testing.assert_array_equal(got, want.view(np.uint16))
-    # and the definition is the cache's dequantized values in column order, times 2**(100-126)
-    assert np.isfinite(want.astype(np.float32)).all()
+    np.testing.assert_array_equal(got_factor, np.asarray(factor))
+    assert np.isfinite(want.astype(np.float32)).all()  # whatever the scale bytes
 
 
-def test_decode_reference_is_the_dequantized_cache():
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_decode_reference_is_the_dequantized_cache(fmt):
     b, s, hkv, d = 1, 64, 4, 128
-    _, k, _ = kc.attn_inputs("nvfp4", b, s, hkv, 8, d, seed=11)
+    _, k, _ = kc.attn_inputs(fmt, b, s, hkv, 8, d, seed=11)
     words, scales, g = fm._operands(k)
-    tile = fm.decode_tile_reference(words[0, :, 2], scales[0, :, 2 * d // 16 : 3 * d // 16])
-    got = np.asarray(tile, np.float32) * np.asarray(g[0, :, 2])[:, None] * 2.0**26
+    head = scales[0, :, 2 * d // 16 : 3 * d // 16] if fmt == "nvfp4" else scales[0, :, 2]
+    tile, factor = fm.decode_tile_reference(words[0, :, 2], head, fmt)
+    got = np.asarray(tile, np.float32) * np.asarray(g[0, :, 2] * factor)[:, None]
     want = np.asarray(kv_cache.read(k, jnp.float32))[0, :, 2][:, fm.column_order(d)]
     np.testing.assert_array_equal(got, want)
 
@@ -185,8 +238,10 @@ def test_default_config_and_support():
     assert fm.supports(k, v, 8)
     _, k2, v2 = kc.attn_inputs("nvfp4", 1, 64, 2, 8, 64, seed=1)  # 8-byte scale rows: no TMA
     assert not fm.supports(k2, v2, 8)
-    _, k3, v3 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 64, seed=1)
+    _, k3, v3 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 64, seed=1)  # MXFP4: D = 128 only
     assert not fm.supports(k3, v3, 8)
+    _, k4, v4 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 128, seed=1)
+    assert fm.supports(k4, v4, 8) and not fm.supports(k4, v, 8)
 
 
 def test_bad_inputs():
@@ -202,10 +257,11 @@ def test_bad_inputs():
         fm.MgpuAttentionConfig(num_splits=0)
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_lowers_for_cuda(fmt):
     # The GPU path (PTX decode, layout inference, TMA and barriers) lowered for CUDA here.
     b, s, hkv, hq, d = 2, 256, 4, 32, 128
-    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=1)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
     fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
     assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, q, k, v, jnp.array([1, 200]))
 
@@ -214,10 +270,11 @@ def test_lowers_for_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(("b", "s"), [(32, 8192), (8, 32768), (64, 2048)])
-def test_gpu_benchmark_shapes(b, s):
+def test_gpu_benchmark_shapes(fmt, b, s):
     hkv, hq, d = 4, 32, 128
-    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=b)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=b)
     lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
     lengths = lengths.at[0].set(1).at[1].set(s)
     ref = fa.decode_attention_reference(q, k, v, lengths)
@@ -226,9 +283,10 @@ def test_gpu_benchmark_shapes(b, s):
 
 
 @pytest.mark.gpu
-def test_gpu_window_splits_and_stages():
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_window_splits_and_stages(fmt):
     b, s, hkv, hq, d = 4, 512, 4, 32, 128
-    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=3)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=3)
     lengths = jnp.array([1, s, 77, 300], jnp.int32)
     for window in (None, 50):
         lo = jnp.maximum(lengths - (window or s), 0)
