@@ -389,10 +389,11 @@ def table(log, configs=None, shapes=SHAPES):
             )
             vs_fp8 = f", {res['fp8'] / t:.2f}x fp8" if fmt != "fp8" else ""
             rows.append((f"ours, {fmt}", b, s, t, best, f, ok, target, vs_fp8))
-            if fmt == "nvfp4":
-                t, f, ok = timed("ours tensor cores nvfp4", tensor_cores(), case, b, s, fmt, log)
-                vs = f", {res['fp8'] / t:.2f}x fp8, {res['nvfp4'] / t:.2f}x Triton nvfp4"
-                rows.append(("ours tensor cores, nvfp4", b, s, t, best, f, ok, target, vs))
+            if fmt in ("nvfp4", "mxfp4"):
+                name = f"ours tensor cores {fmt}"
+                t, f, ok = timed(name, tensor_cores(), case, b, s, fmt, log)
+                vs = f", {res['fp8'] / t:.2f}x fp8, {res[fmt] / t:.2f}x Triton {fmt}"
+                rows.append((f"ours tensor cores, {fmt}", b, s, t, best, f, ok, target, vs))
             del case
         if b == 64:
             for path, (t_app, same) in time_append(b, s, "nvfp4", log).items():
@@ -474,21 +475,27 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS, grid=None):
     return best
 
 
-def mgpu_variants(log, shapes=SHAPES, grid=None):
-    """The tensor-core NVFP4 kernel with each ``MgpuAttentionConfig`` override of ``grid`` ({}:
-    the default), each checked, beside the Triton kernel's default on the same caches."""
+def mgpu_variants(log, shapes=SHAPES, grid=None, formats=("nvfp4", "mxfp4")):
+    """The tensor-core kernel with each ``MgpuAttentionConfig`` override of ``grid`` ({}: the
+    default), each checked, beside the Triton kernel's default on the same caches."""
     for b, s in shapes:
-        case = make_case(b, s, "nvfp4", SETS, seed=b)
-        t_tr, _, _ = timed("Triton nvfp4 (default)", ours(), case, b, s, "nvfp4", log)
-        for g in grid or [{}]:
-            cfg = dataclasses.replace(fm.default_config(b, s, HKV), **g)
-            try:
-                t = timed(f"tensor cores {g}", tensor_cores(cfg), case, b, s, "nvfp4", log)[0]
-            except Exception as e:
-                print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            print(f"    {t_tr / t:.2f}x the Triton kernel", flush=True)
-        del case
+        for fmt in formats:
+            mgpu_variants_one(log, b, s, fmt, grid)
+
+
+def mgpu_variants_one(log, b, s, fmt, grid):
+    """``mgpu_variants`` at one shape and format."""
+    case = make_case(b, s, fmt, SETS, seed=b)
+    t_tr, _, _ = timed(f"Triton {fmt} (default)", ours(), case, b, s, fmt, log)
+    for g in grid or [{}]:
+        cfg = dataclasses.replace(fm.default_config(b, s, HKV), **g)
+        try:
+            t = timed(f"tensor cores {fmt} {g}", tensor_cores(cfg), case, b, s, fmt, log)[0]
+        except Exception as e:
+            print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        print(f"    {t_tr / t:.2f}x the Triton kernel", flush=True)
+    del case
 
 
 def diagnose(log, b=32, s=8192):
@@ -510,10 +517,10 @@ def smoke(log):
         cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=2)
         fn = lambda q, k, v, n, cfg=cfg: fa.decode_attention(q, k, v, n, config=cfg, interpret=True)  # noqa: E731
         print(fmt, "ok" if check(f"smoke {fmt}", fn, case, log) else "FAIL", flush=True)
-        if fmt == "nvfp4":
+        if fmt in ("nvfp4", "mxfp4"):
             fn = tensor_cores(fm.MgpuAttentionConfig(num_splits=2), interpret=True)
-            ok = check("smoke tensor cores nvfp4", fn, case, log)
-            print("nvfp4 tensor cores", "ok" if ok else "FAIL", flush=True)
+            ok = check(f"smoke tensor cores {fmt}", fn, case, log)
+            print(f"{fmt} tensor cores", "ok" if ok else "FAIL", flush=True)
 
 
 def main(argv=None):
@@ -556,7 +563,9 @@ def main(argv=None):
         shapes = args.shapes and tuple(
             tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")
         )
-        mgpu_variants(log, shapes or SHAPES, json.loads(args.grid) if args.grid else None)
+        grid = json.loads(args.grid) if args.grid else None
+        formats = [f for f in args.formats.split(",") if f in ("nvfp4", "mxfp4")]
+        mgpu_variants(log, shapes or SHAPES, grid, formats)
     else:
         shapes = (
             tuple(tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(","))
