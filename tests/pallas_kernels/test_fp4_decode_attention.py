@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fp4_decode_attention as fa
+from pallas_kernels import fp4_decode_attention_mgpu as tc
 from trace_jax import fp4
 from trace_jax.rollout import kv_cache
 
@@ -221,14 +222,8 @@ def test_fused_append_equals_append_then_attend(fmt, window):
     )
     kc.assert_attn_close(out[taken | (lengths > 0)], ref[taken | (lengths > 0)])
     # Only the taken slots were written: the stored bytes equal the two-call path's.
-    _assert_same_bytes(
-        kc.poison(got_k, lengths + taken),
-        kc.poison(want_k, lengths + taken),
-    )
-    _assert_same_bytes(
-        kc.poison(got_v, lengths + taken),
-        kc.poison(want_v, lengths + taken),
-    )
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        _assert_same_bytes(kc.poison(got, lengths + taken), kc.poison(want, lengths + taken))
 
 
 def _assert_same_bytes(got, expect):
@@ -249,8 +244,10 @@ def test_gpu_benchmark_shapes(fmt, b, s):
     lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
     lengths = lengths.at[0].set(1).at[1].set(s)
     ref = fa.decode_attention_reference(q, k, v, lengths)
-    y = fa.decode_attention(q, kc.poison(k, lengths), kc.poison(v, lengths), lengths)
-    kc.assert_attn_close(y, ref)
+    kp, vp = kc.poison(k, lengths), kc.poison(v, lengths)
+    kc.assert_attn_close(fa.decode_attention(q, kp, vp, lengths), ref)
+    if fmt in ("nvfp4", "mxfp4"):  # the tensor-core kernel
+        kc.assert_attn_close(fa.decode_attention(q, kp, vp, lengths, tensor_cores=True), ref)
 
 
 @pytest.mark.gpu
@@ -266,6 +263,12 @@ def test_gpu_window_and_small_tiles(fmt):
         two = fa.DecodeAttentionConfig(block_k=16, num_splits=4, num_warps=2, heads_per_program=2)
         for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4), two):
             y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
+            kc.assert_attn_close(y, ref)
+        if fmt in ("nvfp4", "mxfp4"):  # the tensor-core kernel, default and other tilings
+            y = fa.decode_attention(q, kp, vp, lengths, window=window, tensor_cores=True)
+            kc.assert_attn_close(y, ref)
+            cfg = tc.MgpuAttentionConfig(num_splits=3, stages=3)
+            y = tc.decode_attention_mgpu(q, kp, vp, lengths, window=window, config=cfg)
             kc.assert_attn_close(y, ref)
 
 
@@ -295,11 +298,5 @@ def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
     )
     keep = taken | (lengths > 0)
     kc.assert_attn_close(out[keep], ref[keep])
-    _assert_same_bytes(
-        kc.poison(got_k, lengths + taken),
-        kc.poison(want_k, lengths + taken),
-    )
-    _assert_same_bytes(
-        kc.poison(got_v, lengths + taken),
-        kc.poison(want_v, lengths + taken),
-    )
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        _assert_same_bytes(kc.poison(got, lengths + taken), kc.poison(want, lengths + taken))

@@ -1,7 +1,8 @@
-"""Tensor-core decode attention over an NVFP4 cache (Mosaic GPU) vs the pure-JAX reference: the
+"""Tensor-core decode attention over an NVFP4 or MXFP4 cache (Mosaic GPU) vs the pure-JAX reference: the
 Mosaic GPU interpreter on the CPU, its PTX decode run by a small interpreter of its instructions
-against the decode's ``jnp`` definition, the GPU path lowered for CUDA here, and the compiled
-kernel at the benchmark shapes on a GPU."""
+against the decode's ``jnp`` definition, and the GPU path lowered for CUDA here. The compiled
+kernel's GPU tests are those of the Triton kernel (tests/pallas_kernels/
+test_fp4_decode_attention.py, ``tensor_cores=True``) at the same shapes."""
 
 import re
 
@@ -264,33 +265,3 @@ def test_lowers_for_cuda(fmt):
     q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
     fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
     assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, q, k, v, jnp.array([1, 200]))
-
-
-# ----------------------------------------------------------------------------- GPU
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize(("b", "s"), [(32, 8192), (8, 32768), (64, 2048)])
-def test_gpu_benchmark_shapes(fmt, b, s):
-    hkv, hq, d = 4, 32, 128
-    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=b)
-    lengths = jax.random.randint(jax.random.key(s), (b,), 1, s + 1, jnp.int32)
-    lengths = lengths.at[0].set(1).at[1].set(s)
-    ref = fa.decode_attention_reference(q, k, v, lengths)
-    y = _run(q, kc.poison(k, lengths), kc.poison(v, lengths), lengths, cfg=None, interpret=False)
-    kc.assert_attn_close(y, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_window_splits_and_stages(fmt):
-    b, s, hkv, hq, d = 4, 512, 4, 32, 128
-    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=3)
-    lengths = jnp.array([1, s, 77, 300], jnp.int32)
-    for window in (None, 50):
-        lo = jnp.maximum(lengths - (window or s), 0)
-        ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
-        kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
-        for cfg in (None, fm.MgpuAttentionConfig(num_splits=3, stages=3)):
-            kc.assert_attn_close(_run(q, kp, vp, lengths, window, cfg=cfg, interpret=False), ref)
