@@ -1,7 +1,7 @@
-"""Tensor-core decode attention over an NVFP4 or MXFP4 cache (Mosaic GPU) vs the pure-JAX reference: the
-Mosaic GPU interpreter on the CPU, its PTX decode run by a small interpreter of its instructions
-against the decode's ``jnp`` definition, and the GPU path lowered for CUDA here. The compiled
-kernel's GPU tests are those of the Triton kernel (tests/pallas_kernels/
+"""Tensor-core decode attention over an NVFP4 or MXFP4 cache (Mosaic GPU) vs the pure-JAX
+reference: the Mosaic GPU interpreter on the CPU, its PTX decode run by a small interpreter of its
+instructions against the decode's ``jnp`` definition, and the GPU path lowered for CUDA here. The
+compiled kernel's GPU tests are those of the Triton kernel (tests/pallas_kernels/
 test_fp4_decode_attention.py, ``tensor_cores=True``) at the same shapes."""
 
 import re
