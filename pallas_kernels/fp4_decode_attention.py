@@ -529,7 +529,8 @@ def decode_attention_append(
       qts: for FP4 caches, the ``QTensor`` each KV site quantized (as ``kv_append``).
       valid: [B] bool, which sequences take a token (all when None).
       sm_scale, window, config, interpret: as ``decode_attention``.
-      tensor_cores: as ``decode_attention`` (the append is then its own launch).
+      tensor_cores: as ``decode_attention``; that kernel writes the new rows too (the program
+        whose tile holds the new slot puts them into its copy of the tile and the cache).
     Returns:
       (out [B, Hq, D] bf16, updated k, updated v).
     """
@@ -538,16 +539,19 @@ def decode_attention_append(
     qts = list(qts) if qts is not None else [None, None]
     ok = jnp.ones((b,), bool) if valid is None else valid.reshape(b)
     taken = ok & (lengths < s) & (lengths >= 0)
-    on_tensor_cores = tensor_cores and tc.supports(k, v, q.shape[1])
-    if on_tensor_cores or fmt == "fp8" or not (interpret or kernel_fits([k, v])):
+    if tensor_cores and tc.supports(k, v, q.shape[1]):  # the tensor-core kernel writes them
+        news, _ = _new_storage([k, v], [new_k, new_v], qts)
+        slots = jnp.where(taken, lengths, -1).astype(jnp.int32)
+        append = (slots, *news)
+        out, written = tc.attend(
+            q, k, v, lengths + taken, sm_scale, window, None, interpret, append
+        )
+        k, v = _from_operands([k, v], written)
+        return out, k, v
+    if fmt == "fp8" or not (interpret or kernel_fits([k, v])):
         k, v = kv_append_many(
             [k, v], [new_k, new_v], lengths, qts=qts, valid=ok, interpret=interpret
         )
-        if on_tensor_cores:
-            out = tc.decode_attention_mgpu(
-                q, k, v, lengths + taken, sm_scale=sm_scale, window=window, interpret=interpret
-            )
-            return out, k, v
         out, _ = _attention_call(
             q, _operands(k), _operands(v), lengths + taken, fmt, cfg, sm_scale, window, interpret
         )

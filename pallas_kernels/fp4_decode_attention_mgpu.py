@@ -337,6 +337,34 @@ def _load_column(ref):
     return load(ref)
 
 
+def _copy_row(src, dst_smem, dst_gmem, portable: bool):
+    """Copy a short [n] row (n <= 128) from global memory into shared and global memory: one
+    element per thread of the warpgroup."""
+    if portable:
+        dst_smem[...] = src[...]
+        dst_gmem[...] = src[...]
+        return
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, scf
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+    def copy(_, src_ref, smem_ref, gmem_ref):
+        i32 = ir.IntegerType.get_signless(32)
+        t = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
+        n = ir.MemRefType(src_ref.type).shape[0]
+        inside = arith.cmpi(arith.CmpIPredicate.ult, t, arith.constant(i32, n))
+        branch = scf.IfOp(inside)
+        with ir.InsertionPoint(branch.then_block):
+            i = arith.index_cast(ir.IndexType.get(), t)
+            value = memref.load(src_ref, [i])
+            memref.store(value, smem_ref, [i])
+            memref.store(value, gmem_ref, [i])
+            scf.yield_([])
+
+    copy(src, dst_smem, dst_gmem)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -349,10 +377,7 @@ def _kernel(
     vc_gmem,
     vs_gmem,
     vg_gmem,
-    o_gmem,
-    m_gmem,
-    l_gmem,
-    *,
+    *refs,
     cfg,
     d,
     gp,
@@ -360,7 +385,17 @@ def _kernel(
     sm_scale,
     window,
     fmt,
+    fused,
 ):
+    """One (KV head, split, sequence) program. With ``fused``, ``refs`` starts with the new
+    token's slot [B] int32 (-1: none) and its stored K and V rows (codes [B, Hkv, D/8], scales
+    [B, Hkv * X], global scales [B, Hkv]), and the six cache operands are mutable: the program
+    whose tile holds the new slot writes the rows into its shared-memory copy of the tile
+    (before the decode reads it) and into the cache."""
+    if fused:
+        slot_gmem, *new_rows = refs[:7]
+        refs = refs[7:]
+    o_gmem, m_gmem, l_gmem = refs
     h = lax.axis_index("h")
     hkv = kc_gmem.shape[2]
     split = lax.axis_index("s")
@@ -383,6 +418,31 @@ def _kernel(
 
     def with_factor(row, factor):
         return row * (np.float32(2.0 ** (126 - _OFFSET)) if factor is None else factor)
+
+    def put_new_row(start, tiles, slot, rows, cache):
+        """The new token's stored row, where this step's tile holds its slot: into the tile's
+        three buffers (codes, this head's scales, this head's global scale) and the cache."""
+        new = slot_gmem[b]
+        r = new - start
+
+        @pl.when((new >= 0) & (r >= 0) & (r < _BK))
+        def _():
+            c_buf, s_buf, g_buf = tiles
+            c_row, s_row, g_row = rows
+            c_gmem, s_gmem, g_gmem = cache
+            w = s_row.shape[-1] // hkv
+            one = lambda ref: ref.at[pl.ds(h, 1)]  # noqa: E731
+            for src, dst_smem, dst_gmem in (
+                (c_row.at[b, h], c_buf.at[slot, r], c_gmem.at[b, new, h]),
+                (
+                    s_row.at[b, pl.ds(h * w, w)],
+                    s_buf.at[slot, r, pl.ds(h * w, w)],
+                    s_gmem.at[b, new, pl.ds(h * w, w)],
+                ),
+                (one(g_row.at[b]), one(g_buf.at[slot, r]), one(g_gmem.at[b, new])),
+            ):
+                _copy_row(src, dst_smem, dst_gmem, portable)
+            plgpu.commit_smem()  # the decode's threads read what others wrote
 
     def body(q_smem, kc, ks, kg, vc, vs, vg, vdec, p_smem, kbar, vbar, qbar, kdec=None):
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, qbar.at[0])
@@ -413,6 +473,8 @@ def _kernel(
             slot = lax.rem(t, cfg.stages)
             start = lo_aligned + (first + t) * _BK
             plgpu.barrier_wait(kbar.at[slot])
+            if fused:
+                put_new_row(start, (kc, ks, kg), slot, new_rows[:3], (kc_gmem, ks_gmem, kg_gmem))
             a, k_factor = decode(kc.at[slot], head_scales(ks.at[slot]))
 
             def scores(acc_ref):
@@ -435,6 +497,8 @@ def _kernel(
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
             lsum = lsum * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             plgpu.barrier_wait(vbar.at[slot])
+            if fused:
+                put_new_row(start, (vc, vs, vg), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem))
             v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]))
             vdec[...] = v_tile
             vg_row = with_factor(row_vector(vg.at[slot]), v_factor)
@@ -545,6 +609,16 @@ def decode_attention_mgpu(
     Returns:
       [B, Hq, D] bf16 (zeros for a sequence of length 0).
     """
+    out, _ = attend(q, k, v, lengths, sm_scale, window, config, interpret)
+    return out
+
+
+def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
+    """``decode_attention_mgpu``'s work (to be called under jit); with ``append`` = (slots [B]
+    int32, -1 for none; the new token's stored K and V, ``QTensor`` [B, 1, Hkv, D] each) the
+    kernel also writes the new rows into the cache operands in place (``lengths`` counting the
+    new token). Returns (out [B, Hq, D] bf16, the written K and V cache operands (``_operands``
+    order), or None without ``append``)."""
     from pallas_kernels.fp4_decode_attention import _cache_shape, _combine
 
     b, s, hkv, d = _cache_shape(k)
@@ -585,6 +659,7 @@ def decode_attention_mgpu(
             sm_scale=sm_scale,
             window=window,
             fmt=k.fmt.name,
+            fused=append is not None,
         ),
         out_type=(
             jax.ShapeDtypeStruct((b, hkv, splits, d, gp), jnp.float32),
@@ -595,8 +670,16 @@ def decode_attention_mgpu(
         grid_names=("h", "s", "b"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *_operands(k), *_operands(v))
+    cache = _operands(k) + _operands(v)
+    extra = []
+    if append is not None:  # the cache operands become mutable: written in place
+        slots, new_k, new_v = append
+        cache = [jax.new_ref(a) for a in cache]
+        rows = [a[:, 0] for a in _operands(new_k) + _operands(new_v)]
+        extra = [slots.astype(jnp.int32), *rows]
+    o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *cache, *extra)
     # o^T rows come in column order: back to D order, heads first
     o = jnp.swapaxes(o_t, -1, -2)[..., np.argsort(order)]
     (out,) = _combine([o[..., :g, :]], m[..., :g], l[..., :g])
-    return out.reshape(b, hq, d).astype(jnp.bfloat16)
+    out = out.reshape(b, hq, d).astype(jnp.bfloat16)
+    return out, ([jax.freeze(r) for r in cache] if append is not None else None)

@@ -277,10 +277,11 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
 FUSED_PATHS = ("attention only", "kv_append_many + attention", "fused append + attention")
 
 
-def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
+def time_fused(b, s, fmt, log, calls=(2, 18), reps=5, tensor_cores=False):
     """Device seconds per layer decode step: attention alone (the cache already written), the
     engine's former two launches (``kv_append_many`` with the site codes given, then
-    ``decode_attention``), and ``decode_attention_append`` (one launch). The append's cost is
+    ``decode_attention``), and ``decode_attention_append`` (one launch); with
+    ``tensor_cores``, each attention is the tensor-core kernel's. The append's cost is
     each path's time minus "attention only". Timed as the slope between programs of
     ``calls[0]`` and ``calls[1]`` steps on chained, donated caches (host dispatch drops out);
     the fused path is first checked against the reference on the written cache.
@@ -298,17 +299,18 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
     interp = jax.default_backend() != "gpu"  # plumbing checks on the CPU
     cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2) if interp else None
 
+    kw = dict(config=cfg, tensor_cores=tensor_cores, interpret=interp)
+    tag = f"{fmt}{' tensor cores' if tensor_cores else ''}"
+
     def step(path, kb, vb, x, qt, n):
         if path == "attention only":
-            return fa.decode_attention(q, kb, vb, n + 1, config=cfg, interpret=interp), kb, vb
+            return fa.decode_attention(q, kb, vb, n + 1, **kw), kb, vb
         if path == "kv_append_many + attention":
             kb, vb = fa.kv_append_many(
                 [kb, vb], [x, x], n, qts=[qt, qt], kernel=True, interpret=interp
             )
-            return fa.decode_attention(q, kb, vb, n + 1, config=cfg, interpret=interp), kb, vb
-        return fa.decode_attention_append(
-            q, kb, vb, x, x, n, qts=(qt, qt), config=cfg, interpret=interp
-        )
+            return fa.decode_attention(q, kb, vb, n + 1, **kw), kb, vb
+        return fa.decode_attention_append(q, kb, vb, x, x, n, qts=(qt, qt), **kw)
 
     out, got_k, got_v = step(
         "fused append + attention",
@@ -323,8 +325,8 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
     err = rel_error(out, ref)
     same = same_bytes(got_k, want_k)
     ok = bool(err <= REL_TOL) and same
-    log.append(dict(check=f"fused append {fmt} B={b} S={s}", rel_err=err, bytes_same=same, ok=ok))
-    print(f"  fused append {fmt} B={b} S={s}: rel err {err:.2e}, cache bytes exact {same}")
+    log.append(dict(check=f"fused append {tag} B={b} S={s}", rel_err=err, bytes_same=same, ok=ok))
+    print(f"  fused append {tag} B={b} S={s}: rel err {err:.2e}, cache bytes exact {same}")
 
     def program_seconds(path, n_calls):
         def steps(kb, vb, xs, qs, lengths):
@@ -337,7 +339,7 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
         prog = jax.jit(steps, donate_argnums=(0, 1))
         args = (xs[:n_calls], qts[:n_calls], lengths)
         if n_calls == min(calls) and not interp:  # kernel launches and buffer copies
-            entry_ops(prog, (k_buf, v_buf, *args), f"{path} {fmt}, {n_calls} steps", log)
+            entry_ops(prog, (k_buf, v_buf, *args), f"{path} {tag}, {n_calls} steps", log)
         return chained_seconds(prog, k_buf, v_buf, args, reps)
 
     results = {}
@@ -345,12 +347,12 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5):
     for path in FUSED_PATHS:
         t = (program_seconds(path, hi) - program_seconds(path, lo)) / (hi - lo)
         results[path] = t
-        log.append(dict(path=f"decode step: {path}", fmt=fmt, b=b, s=s, us=t * 1e6, ok=ok))
+        log.append(dict(path=f"decode step: {path}", fmt=tag, b=b, s=s, us=t * 1e6, ok=ok))
     base = results["attention only"]
     for path, t in results.items():
         extra = (t - base) * 1e6
         print(
-            f"  {path:28s} {fmt} B={b} S={s}: {t * 1e6:7.2f} us per layer, append "
+            f"  {path:28s} {tag} B={b} S={s}: {t * 1e6:7.2f} us per layer, append "
             f"{extra:+6.2f} us ({100 * extra / (base * 1e6):+.1f} % of attention)",
             flush=True,
         )
@@ -559,6 +561,8 @@ def main(argv=None):
     elif args.fused:
         for fmt in ("nvfp4", "mxfp4", "bf16"):
             time_fused(64, 2048, fmt, log)
+        for fmt in ("nvfp4", "mxfp4"):
+            time_fused(64, 2048, fmt, log, tensor_cores=True)
     elif args.mgpu:
         shapes = args.shapes and tuple(
             tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")

@@ -195,14 +195,19 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
 
 
 @pytest.mark.parametrize("window", [None, 9])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_append_equals_append_then_attend(fmt, window):
+@pytest.mark.parametrize(
+    ("fmt", "tensor_cores"), [(f, False) for f in FORMATS] + [("nvfp4", True), ("mxfp4", True)]
+)
+def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
-    ``decode_attention`` over the written cache (the new token included where it was taken)."""
+    ``decode_attention`` over the written cache (the new token included where it was taken);
+    with ``tensor_cores``, the Mosaic GPU kernel writes them (shapes it takes)."""
     b, s, hkv, hq, d = 4, 32, 2, 8, 32
+    if tensor_cores:  # 64-slot steps, 16-byte rows of scales
+        s, hkv, hq, d = 128, 4, 16, 64 if fmt == "nvfp4" else 128
     q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=11)
     k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
-    lengths = jnp.array([0, 17, 31, 32], jnp.int32)  # empty, middle, last slot, full (dropped)
+    lengths = jnp.array([0, 17, s - 1, s], jnp.int32)  # empty, middle, last slot, full (dropped)
     valid = jnp.array([True, False, True, True])
     want_k, want_v = fa.kv_append_many(
         [jax.tree.map(jnp.copy, k_buf), jax.tree.map(jnp.copy, v_buf)],
@@ -213,13 +218,13 @@ def test_fused_append_equals_append_then_attend(fmt, window):
     )
     taken = valid & (lengths < s)
     ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken, window=window)
-    kp, vp = (
-        kc.poison(k_buf, lengths),
-        kc.poison(v_buf, lengths),
-    )  # stale slots, and the new slot
+    # stale slots, and the new slot
+    kp, vp = kc.poison(k_buf, lengths), kc.poison(v_buf, lengths)
+    cfg = None if tensor_cores else SMALL
     out, got_k, got_v = fa.decode_attention_append(
-        q, kp, vp, k, v, lengths, valid=valid, window=window, config=SMALL, interpret=True
-    )
+        q, kp, vp, k, v, lengths, valid=valid, window=window, config=cfg,
+        tensor_cores=tensor_cores, interpret=True,
+    )  # fmt: skip
     kc.assert_attn_close(out[taken | (lengths > 0)], ref[taken | (lengths > 0)])
     # Only the taken slots were written: the stored bytes equal the two-call path's.
     for got, want in ((got_k, want_k), (got_v, want_v)):
@@ -287,16 +292,18 @@ def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
     )
     taken = valid & (lengths < s)
     ref = fa.decode_attention_reference(q, want_k, want_v, lengths + taken)
-    out, got_k, got_v = fa.decode_attention_append(
-        q,
-        kc.poison(k_buf, lengths),
-        kc.poison(v_buf, lengths),
-        k,
-        v,
-        lengths,
-        valid=valid,
-    )
     keep = taken | (lengths > 0)
-    kc.assert_attn_close(out[keep], ref[keep])
-    for got, want in ((got_k, want_k), (got_v, want_v)):
-        _assert_same_bytes(kc.poison(got, lengths + taken), kc.poison(want, lengths + taken))
+    for tensor_cores in (False, True) if fmt in ("nvfp4", "mxfp4") else (False,):
+        out, got_k, got_v = fa.decode_attention_append(
+            q,
+            kc.poison(k_buf, lengths),
+            kc.poison(v_buf, lengths),
+            k,
+            v,
+            lengths,
+            valid=valid,
+            tensor_cores=tensor_cores,
+        )
+        kc.assert_attn_close(out[keep], ref[keep])
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            _assert_same_bytes(kc.poison(got, lengths + taken), kc.poison(want, lengths + taken))

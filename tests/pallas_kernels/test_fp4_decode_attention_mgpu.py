@@ -258,10 +258,21 @@ def test_bad_inputs():
         fm.MgpuAttentionConfig(num_splits=0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_lowers_for_cuda(fmt):
-    # The GPU path (PTX decode, layout inference, TMA and barriers) lowered for CUDA here.
+def test_lowers_for_cuda(fmt, fused):
+    # The GPU path (PTX decode, layout inference, TMA and barriers; the fused append's row
+    # copies and the cache operands aliased to the kernel's outputs) lowered for CUDA here.
     b, s, hkv, hq, d = 2, 256, 4, 32, 128
     q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
-    fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
-    assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, q, k, v, jnp.array([1, 200]))
+    n = jnp.array([1, 200], jnp.int32)
+    if fused:
+        new = jnp.zeros((b, hkv, d), jnp.bfloat16)
+        fn = lambda q, k, v, n: fa.decode_attention_append(  # noqa: E731
+            q, k, v, new, new, n, window=64, tensor_cores=True
+        )
+    else:
+        fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
+    text = cuda_lowering.export_for_cuda(fn, q, k, v, n)
+    call = text[text.index("stablehlo.custom_call @mosaic_gpu") :].split("\n", 1)[0]
+    assert call.count("output_operand_alias<") == (6 if fused else 0)

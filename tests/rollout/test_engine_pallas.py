@@ -207,21 +207,21 @@ def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeyp
 @pytest.mark.slow
 def test_tensor_core_attention_decodes_as_the_triton_kernel(monkeypatch):
     """kernels=("moe", "attention_tc") over an NVFP4 cache (4 KV heads of 64 dims, 64 slots:
-    shapes the tensor-core kernel takes): the decode steps attend with
-    ``decode_attention_mgpu`` (Mosaic GPU interpreter here) and generate what the engine with
+    shapes the tensor-core kernel takes): the decode steps attend (and append K/V) with the
+    Mosaic GPU kernel (its interpreter here) and generate what the engine with
     the Triton decode-attention kernel generates, log-probs within 1e-2 (measured 4.9e-3: the
     kernels differ in the precision of p and the order of the sums; against a full forward both
     engines differ by up to 3.8e-2 on this model, the XLA engine by 2.0e-2)."""
     from pallas_kernels import fp4_decode_attention_mgpu as tc
 
     calls = []
-    kernel = tc.decode_attention_mgpu
+    kernel = tc.attend
 
     def counted(*args, **kw):  # runs when the decode step is traced
         calls.append(args[1])
         return kernel(*args, **kw)
 
-    monkeypatch.setattr(tc, "decode_attention_mgpu", counted)
+    monkeypatch.setattr(tc, "attend", counted)
     cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, head_dim=64)
     model = Transformer(cfg, nnx.Rngs(1))
     states = {}

@@ -47,8 +47,8 @@ class RolloutConfig:
       over the stored cache (bf16 compute dtype).
     kernels: which Pallas kernels the "pallas" backend uses: "moe" (grouped FP4 expert matmul)
       and/or "attention" (decode attention, the K/V append fused into its launch) or
-      "attention_tc" (an NVFP4 cache the tensor-core kernel takes goes to it, with the append
-      as its own launch; other caches as "attention").
+      "attention_tc" (an NVFP4 / MXFP4 cache the tensor-core kernel takes goes to it, the
+      append fused in the same way; other caches as "attention").
     """
 
     max_len: int = 256
