@@ -30,7 +30,10 @@ position ``D b / 4 + 8 (j // 4) + j % 4 + 4 v``. So the two halves of a decoded 
 nibbles ``i`` and ``i + 4`` of one 32-bit code word, 16 bits apart, and one masked multiply
 moves both halves' sign and magnitude bits into place (``_WORD_ASM``). q's columns are put in
 the same order in XLA (``q.k`` is a sum over D in any order), and the output's rows come back
-in it and are put back in XLA.
+in it and are put back in XLA. The V tile, which goes to shared memory, is decoded into Mosaic's
+8-element-vector layout instead (thread ``b`` holding columns ``32 u + 8 b .. + 7`` of its
+rows): each code word's four pairs become one 16-byte store; the output's rows follow that
+tile's column order.
 
 ``decode="asm"``: the decode is PTX inside ``plgpu.inline_mgpu`` (GPU only). ``"portable"``: the
 same values in ``jnp``, both operands through shared memory (the interpreter's ``wgmma`` takes
@@ -115,12 +118,18 @@ def supports(k: kv_cache.Stored, v: kv_cache.Stored, q_heads: int) -> bool:
     )
 
 
-def column_order(d: int) -> np.ndarray:
+def column_order(d: int, layout: str = "wgmma") -> np.ndarray:
     """[D] int: the D position that each column of the kernel's [64, D] tiles holds (a
-    permutation; see the module docstring)."""
+    permutation; see the module docstring). ``layout``: "wgmma" (the K tile, the register
+    operand: thread b's column 8 j + 2 b + v holds position D b / 4 + 8 (j // 4) + j % 4 + 4 v)
+    or "vector" (the V tile, stored to shared memory from 8-element vectors: thread b's column
+    32 u + 8 b + 2 i + v holds position D b / 4 + 8 u + i + 4 v)."""
     col = np.arange(d)
-    j, b, v = col // 8, (col % 8) // 2, col % 2
-    return (d // 4) * b + 8 * (j // 4) + j % 4 + 4 * v
+    if layout == "wgmma":
+        j, b, v = col // 8, (col % 8) // 2, col % 2
+        return (d // 4) * b + 8 * (j // 4) + j % 4 + 4 * v
+    u, b, i, v = col // 32, (col % 32) // 8, (col % 8) // 2, col % 2
+    return (d // 4) * b + 8 * u + i + 4 * v
 
 
 # ----------------------------------------------------------------------------- decode
@@ -192,12 +201,14 @@ selp.b32 $1, 0x7FC00000, f, p;
 """
 
 
-def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
+def _decode_asm(codes_ref, scales_ref, d: int, fmt: str, layout: str = "wgmma"):
     """[64, D/8] uint32 code words and one KV head's block scales in shared memory (NVFP4:
     [64, D/16] uint8 E4M3 bytes; MXFP4: [64, 1] uint32, the four E8M0 bytes) -> (the bf16
-    [64, D] tile in the ``wgmma`` register layout, columns in ``column_order(D)``; the rows'
-    float32 factors [64] in the layout of s^T's rows, or None for NVFP4, whose factor is the
-    constant ``2**(126 - offset)``)."""
+    [64, D] tile, columns in ``column_order(D, layout)``: in the ``wgmma`` register layout, or
+    with ``layout="vector"`` in Mosaic's 8-element-vector layout (each code word's four pairs
+    one 16-byte vector, stored to shared memory in one instruction); the rows' float32 factors
+    [64] in the layout of s^T's rows, or None for NVFP4, whose factor is the constant
+    ``2**(126 - offset)``)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -206,7 +217,13 @@ def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
     words = d // 32  # code words of a thread's row
     blocks = d // 64  # NVFP4 scale blocks of a thread's row
     mx = fmt == "mxfp4"
-    tile_type = plgpu.ShapeDtypeStruct((_BK, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+    vectors = layout == "vector"
+    tile_layout = mgpu.WGMMA_LAYOUT_UPCAST_4X if vectors else mgpu.WGMMA_LAYOUT
+    tile_type = plgpu.ShapeDtypeStruct(
+        (_BK, d),
+        jnp.bfloat16,
+        layout=plgpu.Layout.WGMMA_UPCAST_4X if vectors else plgpu.Layout.WGMMA,
+    )
     row_type = plgpu.ShapeDtypeStruct((_BK,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @plgpu.inline_mgpu(
@@ -224,8 +241,9 @@ def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
             arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
         )
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        eight = ir.VectorType.get((8,), ir.BF16Type.get())
         struct = llvm.StructType.get_literal([i32] * 4)
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_BK, d)), dtype=object)
+        regs = np.empty(tile_layout.registers_shape((_BK, d)), dtype=object)
         row_layout = mgpu.WGMMA_ROW_LAYOUT
         factors = np.empty(row_layout.registers_shape((_BK,)), dtype=object)
         for rh in range(2):
@@ -255,10 +273,14 @@ def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
                 out = llvm.inline_asm(
                     struct, [x, sc[0 if mx else u // 2]], _WORD_ASM, "=r,=r,=r,=r,r,r"
                 )
+                bits = [llvm.extractvalue(i32, out, [i]) for i in range(4)]
+                if vectors:  # the word's four pairs: one vector of 8
+                    four = vector.from_elements(ir.VectorType.get((4,), i32), bits)
+                    regs[0, u, 0, 0, rh, 0, 0, 0, 0] = vector.bitcast(eight, four)
+                    continue
                 for i in range(4):
-                    bits = llvm.extractvalue(i32, out, [i])
-                    regs[0, 4 * u + i, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, pair)
-        tile = mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                    regs[0, 4 * u + i, 0, 0, rh, 0, 0, 0, 0] = mgpu_utils.bitcast(bits[i], pair)
+        tile = mgpu.FragmentedArray(_registers=regs, _layout=tile_layout, _is_signed=None)
         if not mx:
             return tile
         return tile, mgpu.FragmentedArray(_registers=factors, _layout=row_layout, _is_signed=None)
@@ -267,12 +289,14 @@ def _decode_asm(codes_ref, scales_ref, d: int, fmt: str):
     return out if mx else (out, None)
 
 
-def decode_tile_reference(words: jax.Array, scales: jax.Array, fmt: str = "nvfp4"):
+def decode_tile_reference(
+    words: jax.Array, scales: jax.Array, fmt: str = "nvfp4", layout: str = "wgmma"
+):
     """What the decode makes, in ``jnp``: code words [R, D/8] uint32 and one KV head's block
     scales (NVFP4: E4M3 bytes [R, D/16] uint8; MXFP4: [R] or [R, 1] uint32 of four E8M0
-    bytes, D = 128) -> (bf16 [R, D] in ``column_order(D)``, float32 [R] row factors) whose
-    product is the dequantized row before its global scale: exactly, except MXFP4 blocks more
-    than 126 binades below the row's largest, which decode to 0 (``_MX_SCALE_ASM``)."""
+    bytes, D = 128) -> (bf16 [R, D] in ``column_order(D, layout)``, float32 [R] row factors)
+    whose product is the dequantized row before its global scale: exactly, except MXFP4 blocks
+    more than 126 binades below the row's largest, which decode to 0 (``_MX_SCALE_ASM``)."""
     r, n = words.shape
     d = 8 * n
     nib = jnp.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(r, d)
@@ -294,13 +318,15 @@ def decode_tile_reference(words: jax.Array, scales: jax.Array, fmt: str = "nvfp4
         sf = jnp.where(e >= 128, pow2(jnp.maximum(e - 126, 1)), 0.0)  # 2**(e - 253)
         val = (val.reshape(r, 4, 32) * sf[:, :, None]).reshape(r, d)
         factor = jnp.where(m[:, 0] == 255, jnp.nan, pow2(jnp.maximum(m[:, 0] - 1, 1)))
-    # D position (D/4) b + 8 u + 4 v + i -> column 8 (4 u + i) + 2 b + v (``column_order``)
-    val = val.reshape(r, 4, d // 32, 2, 4).transpose(0, 2, 4, 1, 3).reshape(r, d)
-    return val.astype(jnp.bfloat16), factor
+    # D position (D/4) b + 8 u + 4 v + i -> column 8 (4 u + i) + 2 b + v ("wgmma") or
+    # 32 u + 8 b + 2 i + v ("vector"): ``column_order``
+    val = val.reshape(r, 4, d // 32, 2, 4)
+    val = val.transpose((0, 2, 4, 1, 3) if layout == "wgmma" else (0, 2, 1, 4, 3))
+    return val.reshape(r, d).astype(jnp.bfloat16), factor
 
 
-def _decode_portable(codes_ref, scales_ref, d: int, fmt: str):
-    return decode_tile_reference(codes_ref[...], scales_ref[...], fmt)
+def _decode_portable(codes_ref, scales_ref, d: int, fmt: str, layout: str = "wgmma"):
+    return decode_tile_reference(codes_ref[...], scales_ref[...], fmt, layout)
 
 
 def _load_column(ref):
@@ -499,7 +525,7 @@ def _kernel(
             plgpu.barrier_wait(vbar.at[slot])
             if fused:
                 put_new_row(start, (vc, vs, vg), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem))
-            v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]))
+            v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]), layout="vector")
             vdec[...] = v_tile
             vg_row = with_factor(row_vector(vg.at[slot]), v_factor)
             pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
@@ -678,8 +704,8 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
         rows = [a[:, 0] for a in _operands(new_k) + _operands(new_v)]
         extra = [slots.astype(jnp.int32), *rows]
     o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *cache, *extra)
-    # o^T rows come in column order: back to D order, heads first
-    o = jnp.swapaxes(o_t, -1, -2)[..., np.argsort(order)]
+    # o^T rows come in the V tile's column order: back to D order, heads first
+    o = jnp.swapaxes(o_t, -1, -2)[..., np.argsort(column_order(d, "vector"))]
     (out,) = _combine([o[..., :g, :]], m[..., :g], l[..., :g])
     out = out.reshape(b, hq, d).astype(jnp.bfloat16)
     return out, ([jax.freeze(r) for r in cache] if append is not None else None)

@@ -97,13 +97,21 @@ def _reference_f32(q, k, v, lengths):
     return jnp.einsum("bhgs,bshd->bhgd", p, vf, precision=hp).reshape(b, -1, d)
 
 
-def test_column_order_is_a_permutation_of_whole_scale_blocks():
+def _thread_columns(d, layout, b):
+    """The tile columns that thread ``b`` of a quad holds in each of its rows."""
+    if layout == "wgmma":
+        return [8 * j + 2 * b + v for j in range(d // 8) for v in range(2)]
+    return [32 * u + 8 * b + e for u in range(d // 32) for e in range(8)]
+
+
+@pytest.mark.parametrize("layout", ["wgmma", "vector"])
+def test_column_order_is_a_permutation_of_whole_scale_blocks(layout):
     for d in (64, 128, 256):
-        order = fm.column_order(d)
+        order = fm.column_order(d, layout)
         assert sorted(order) == list(range(d))
-        # thread b's columns (8 j + 2 b + v) hold the D/4 positions from D b / 4
+        # thread b's columns hold the D/4 positions from D b / 4
         for b in range(4):
-            cols = [8 * j + 2 * b + v for j in range(d // 8) for v in range(2)]
+            cols = _thread_columns(d, layout, b)
             assert sorted(order[cols]) == list(range(d // 4 * b, d // 4 * (b + 1)))
 
 
@@ -173,8 +181,9 @@ def _run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
     return [regs[f"${i}"] for i in range(n_out)]
 
 
+@pytest.mark.parametrize("layout", ["wgmma", "vector"])
 @pytest.mark.parametrize(("fmt", "d"), [("nvfp4", 64), ("nvfp4", 128), ("mxfp4", 128)])
-def test_ptx_decode_in_the_register_layout_equals_its_definition(fmt, d):
+def test_ptx_decode_in_the_register_layout_equals_its_definition(fmt, d, layout):
     # Each thread of the warpgroup as _decode_asm runs it: its two rows' code words and scale
     # bytes, the PTX, and the bf16 pairs placed where the wgmma register layout puts them
     # (register (j, rh) of thread 32 w + 4 a + b: row 16 w + 8 rh + a, columns 8 j + 2 b + v).
@@ -188,7 +197,7 @@ def test_ptx_decode_in_the_register_layout_equals_its_definition(fmt, d):
         scales[::7, 2] = 255
         scales[3] = [0, 1, 0, 0]
         scales = scales.view(np.uint32)[:, 0]
-    tile, factor = fm.decode_tile_reference(jnp.asarray(words), jnp.asarray(scales), fmt)
+    tile, factor = fm.decode_tile_reference(jnp.asarray(words), jnp.asarray(scales), fmt, layout)
     want = np.asarray(tile)
     got = np.zeros((64, d), np.uint16)
     got_factor = np.full(64, 2.0 ** (126 - fm._OFFSET), np.float32)
@@ -210,7 +219,9 @@ def test_ptx_decode_in_the_register_layout_equals_its_definition(fmt, d):
                 s_pair = sc[u // 2] if fmt == "nvfp4" else sc[0]
                 outs = _run_ptx(fm._WORD_ASM, [int(words[row, nw * b + u]), s_pair], 4)
                 for i, pair in enumerate(outs):
-                    col = 8 * (4 * u + i) + 2 * b
+                    # "wgmma": register (4 u + i, rh); "vector": element 2 i of vector (u, rh),
+                    # which holds columns 32 u + 8 b .. + 7
+                    col = 8 * (4 * u + i) + 2 * b if layout == "wgmma" else 32 * u + 8 * b + 2 * i
                     got[row, col], got[row, col + 1] = pair & 0xFFFF, pair >> 16
     np.testing.assert_array_equal(got, want.view(np.uint16))
     np.testing.assert_array_equal(got_factor, np.asarray(factor))
