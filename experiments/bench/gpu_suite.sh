@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The kernels' GPU checks and timings, step by step, on a machine with the GPU (run from the
+# repository root with the machine's python3). Each step runs under its own time limit with its
+# output in $OUT/<step>.log; a line per step (exit status, seconds, last line) ends the run.
+#
+#   bash experiments/bench/gpu_suite.sh                        # every step, in order
+#   bash experiments/bench/gpu_suite.sh attention-tests attention-mgpu   # some of them
+#   bash experiments/bench/gpu_suite.sh --list                 # the steps and their commands
+set -u
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+PY=${PYTHON:-python3}
+BENCH=experiments/bench
+
+# name | time limit (s) | command
+STEPS=(
+  "attention-tests|240|$PY -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp4_decode_attention.py"
+  "attention-mgpu|200|$PY $BENCH/fp4_attention.py --mgpu --shapes 32x8192 --grid '[{}, {\"stages\": 3}, {\"num_splits\": 4}, {\"num_splits\": 16}]'"
+  "attention-table|420|$PY $BENCH/fp4_attention.py"
+  "attention-fused|300|$PY $BENCH/fp4_attention.py --fused"
+  "matmul-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/fp4/test_quantize.py tests/pallas_kernels/test_fp4_activation.py tests/pallas_kernels/test_fp4_matmul_mgpu.py"
+  "matmul-w4a4|240|$PY $BENCH/fp4_matmul.py --w4a4 --ms 1,16,64"
+  "matmul-grouped|240|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64"
+  "matmul-moe-layer|200|$PY $BENCH/fp4_matmul.py --moe-layer --ms 16,64"
+  "matmul-k-split|240|$PY $BENCH/fp4_matmul.py --mgpu --ms 1,16 --variants '256,3,2,1,wk;128,4,2,1,wk;256,4,2,1,wk'"
+  "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
+  "engine-tests|240|$PY -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_engine_pallas.py"
+)
+
+if [ "${1:-}" = "--list" ]; then
+  for s in "${STEPS[@]}"; do echo "$s"; done
+  exit 0
+fi
+
+summary=()
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$s"
+  if [ $# -gt 0 ] && ! printf '%s\n' "$@" | grep -qx "$name"; then
+    continue
+  fi
+  echo "== $name ($limit s): $cmd"
+  start=$(date +%s)
+  timeout "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - start))
+  tail -n 25 "$OUT/$name.log"
+  summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
+done
+echo
+echo "== summary"
+for line in "${summary[@]}"; do echo "$line"; done
