@@ -74,16 +74,21 @@ class MgpuAttentionConfig:
     Attributes:
       num_splits: programs per (sequence, KV head) along the sequence (flash-decoding splits).
       stages: K/V tile buffers in flight per program (64 slots each).
+      p_parts: bf16 parts of the probabilities in the output's multiply: 2 (hi + lo, ~16
+        significant bits) or 1 (rounded to bf16 once, as the Triton kernel).
       decode: "asm" (PTX, GPU only) or "portable" (jnp; used automatically in interpret mode).
     """
 
     num_splits: int = 8
     stages: int = 2
+    p_parts: int = 2
     decode: Decode = "asm"
 
     def __post_init__(self):
         if self.num_splits < 1 or self.stages < 1:
             raise ValueError(f"MgpuAttentionConfig: num_splits and stages must be >= 1: {self}")
+        if self.p_parts not in (1, 2):
+            raise ValueError(f"MgpuAttentionConfig.p_parts must be 1 or 2: {self}")
         if self.decode not in ("asm", "portable"):
             raise ValueError(f"MgpuAttentionConfig.decode: unknown {self.decode!r}")
 
@@ -531,7 +536,8 @@ def _kernel(
             pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
             p_hi = pv.astype(jnp.bfloat16)
             p_smem.at[0].T[...] = p_hi
-            p_smem.at[1].T[...] = (pv - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            if cfg.p_parts == 2:
+                p_smem.at[1].T[...] = (pv - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
             plgpu.commit_smem()  # every thread's reads of this slot's buffers are done too
 
             @pl.when(t + cfg.stages < n_steps)
@@ -539,8 +545,8 @@ def _kernel(
                 issue(t + cfg.stages, slot)
 
             def pv_mma(acc_ref):
-                plgpu.wgmma(acc_ref, vdec.T, p_smem.at[0].T)
-                plgpu.wgmma(acc_ref, vdec.T, p_smem.at[1].T)
+                for part in range(cfg.p_parts):
+                    plgpu.wgmma(acc_ref, vdec.T, p_smem.at[part].T)
                 return acc_ref[...]
 
             pv_sum = pl.run_scoped(pv_mma, plgpu.ACC((d, gp), jnp.float32))
@@ -565,7 +571,7 @@ def _kernel(
         plgpu.SMEM((cfg.stages, _BK, scale_cols), scale_dtype),
         plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),
         plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE),  # decoded V
-        plgpu.SMEM((2, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose, hi + lo
+        plgpu.SMEM((cfg.p_parts, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose
         plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),

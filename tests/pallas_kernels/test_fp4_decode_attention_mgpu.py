@@ -34,8 +34,8 @@ def _run(q, k, v, lengths, window=None, cfg=CFG, interpret=True):
         (4, 192, 4, 16, 128, [0, 1, 192, 70], CFG),
         # G = 8, one split per sequence, one buffer
         (2, 128, 4, 32, 64, [128, 65], fm.MgpuAttentionConfig(num_splits=1, stages=1)),
-        # more splits than steps; 3 buffers
-        (2, 256, 4, 8, 64, [3, 250], fm.MgpuAttentionConfig(num_splits=3, stages=3)),
+        # more splits than steps; 3 buffers; p rounded to bf16 once
+        (2, 256, 4, 8, 64, [3, 250], fm.MgpuAttentionConfig(num_splits=3, stages=3, p_parts=1)),
     ],
 )
 def test_matches_reference_with_poisoned_stale_slots(b, s, hkv, hq, d, lens, cfg):
@@ -267,6 +267,8 @@ def test_bad_inputs():
         _run(q, k, v, jnp.array([1, 2], jnp.int32), window=0)
     with pytest.raises(ValueError, match="num_splits"):
         fm.MgpuAttentionConfig(num_splits=0)
+    with pytest.raises(ValueError, match="p_parts"):
+        fm.MgpuAttentionConfig(p_parts=3)
 
 
 @pytest.mark.parametrize("fused", [False, True])
