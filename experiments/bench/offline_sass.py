@@ -14,6 +14,12 @@ Usage (two steps, the second in an environment with ``triton``)::
     PYTHONPATH=. python3 experiments/bench/offline_sass.py ir --fmt nvfp4 --out /tmp/k.ttir \\
         [--config '{"block_k": 16}']
     python3 experiments/bench/offline_sass.py sass /tmp/k.ttir --warps 1 --stages 3
+
+The Mosaic GPU kernels' inline PTX (their FP4 decodes) cannot be compiled whole off the GPU;
+``asm`` assembles each block for sm_90 with ``ptxas`` (``$PTXAS``, PyPI triton's, or one on the
+PATH) and counts its instructions::
+
+    PYTHONPATH=. python3 experiments/bench/offline_sass.py asm
 """
 
 from __future__ import annotations
@@ -73,6 +79,94 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int) -> tuple[str, str]:
     return sass.stdout, res
 
 
+def find_ptxas() -> str | None:
+    """``$PTXAS``, the ``ptxas`` that PyPI triton ships, or one on the PATH (None: none)."""
+    import importlib.util
+    import shutil
+
+    if os.environ.get("PTXAS"):
+        return os.environ["PTXAS"]
+    spec = importlib.util.find_spec("triton")
+    if spec and spec.origin:
+        tool = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        if tool.exists():
+            return str(tool)
+    return shutil.which("ptxas")
+
+
+def inline_ptx_blocks() -> dict[str, tuple[str, int, int]]:
+    """name -> (PTX text with $i operands, outputs, inputs) of the Mosaic GPU kernels' decodes."""
+    from pallas_kernels import fp4_decode_attention_mgpu as attn
+    from pallas_kernels import fp4_matmul_mgpu as matmul
+
+    blocks = {
+        "attention code word": (attn._WORD_ASM, 4, 2),
+        "attention mxfp4 scales": (attn._MX_SCALE_ASM, 2, 2),
+    }
+    for fmt in ("e4m3", "e8m0"):
+        blocks[f"matmul code word ({fmt})"] = (matmul._asm_word(0, fmt), 4, 3)
+    return blocks
+
+
+def ptx_entry(name: str, asm: str, n_out: int, n_in: int) -> str:
+    """A PTX module whose one kernel loads the block's inputs from parameters, runs it and
+    stores its outputs (so nothing is folded away)."""
+    regs = [f"%r{i}" for i in range(n_out + n_in)]
+    body = re.sub(r"\$(\d+)", lambda m: regs[int(m.group(1))], asm)
+    params = ", ".join(["in .param .u64 out", *(f".param .u32 a{i}" for i in range(n_in))])
+    loads = "\n".join(f"ld.param.u32 %r{n_out + i}, [a{i}];" for i in range(n_in))
+    stores = "\n".join(f"st.global.u32 [%rd1+{4 * i}], %r{i};" for i in range(n_out))
+    return f"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry {re.sub(r"[^a-z0-9]", "_", name)}({params.removeprefix("in ")})
+{{
+.reg .b32 %r<{n_out + n_in}>;
+.reg .b64 %rd<2>;
+{loads}
+{body}
+ld.param.u64 %rd0, [out];
+cvta.to.global.u64 %rd1, %rd0;
+{stores}
+ret;
+}}
+"""
+
+
+def assemble(ptx: str, ptxas: str) -> str:
+    """``ptxas -arch=sm_90`` on a PTX module, then its SASS (the ``cuobjdump`` beside
+    ``ptxas``, or on the PATH); raises CalledProcessError with ptxas' message on an error."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        subprocess.run(
+            [ptxas, "-arch=sm_90", str(src), "-o", str(cubin)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        tool = Path(ptxas).with_name("cuobjdump")
+        tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+        if tool is None:
+            return ""
+        return subprocess.run(
+            [tool, "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def block_ops(sass: str) -> collections.Counter:
+    """Opcodes of an ``assemble`` listing without the wrapper's loads, stores, moves and exit."""
+    texts = [m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m]
+    wrapper = ("LDC", "ULDC", "STG", "EXIT", "BRA", "NOP", "MOV", "IMAD.MOV")
+    return collections.Counter(
+        t.split()[0].split(".")[0] for t in texts if not t.split()[0].startswith(wrapper)
+    )
+
+
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
@@ -108,7 +202,16 @@ def main(argv=None) -> int:
     sa.add_argument("ttir")
     sa.add_argument("--warps", type=int, required=True)
     sa.add_argument("--stages", type=int, required=True)
+    sub.add_parser("asm", help="assemble the Mosaic GPU kernels' inline PTX for sm_90")
     args = ap.parse_args(argv)
+    if args.step == "asm":
+        ptxas = find_ptxas()
+        if ptxas is None:
+            raise SystemExit("offline_sass asm: no ptxas ($PTXAS, pip install triton, or PATH)")
+        for name, (asm, n_out, n_in) in inline_ptx_blocks().items():
+            ops = block_ops(assemble(ptx_entry(name, asm, n_out, n_in), ptxas))
+            print(f"{name}: {sum(ops.values())} instructions ({dict(ops.most_common())})")
+        return 0
     if args.step == "ir":
         text, opts = triton_ir(args.fmt, json.loads(args.config))
         Path(args.out).write_text(text)

@@ -1,4 +1,9 @@
-"""The offline SASS tool: the kernel's Triton IR lowered on the CPU, the loop counter."""
+"""The offline SASS tool: the kernel's Triton IR lowered on the CPU, the loop counter, and the
+Mosaic GPU kernels' inline PTX assembled for sm_90 (where a ``ptxas`` is at hand)."""
+
+import subprocess
+
+import pytest
 
 from experiments.bench import offline_sass
 from pallas_kernels import fp4_decode_attention as fda
@@ -29,3 +34,40 @@ def test_triton_ir_of_the_default_nvfp4_kernel():
     assert "tensor<32x32xi16" in text  # the override reached the kernel: 32-slot code tiles
     cfg = fda.default_config(*offline_sass.BENCH_SHAPE, "nvfp4")
     assert opts == {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def test_inline_ptx_entries_wire_every_operand():
+    for name, (asm, n_out, n_in) in offline_sass.inline_ptx_blocks().items():
+        ptx = offline_sass.ptx_entry(name, asm, n_out, n_in)
+        assert "$" not in ptx and ".target sm_90" in ptx
+        assert ptx.count("ld.param.u32") == n_in and ptx.count("st.global.u32") == n_out
+
+
+def _assembled_blocks():
+    ptxas = offline_sass.find_ptxas()
+    if ptxas is None:
+        pytest.skip("no ptxas ($PTXAS, PyPI triton or PATH)")
+    return {  # ptxas errors raise here
+        name: offline_sass.assemble(offline_sass.ptx_entry(name, asm, n_out, n_in), ptxas)
+        for name, (asm, n_out, n_in) in offline_sass.inline_ptx_blocks().items()
+    }
+
+
+def test_inline_ptx_assembles_for_sm90():
+    # ptxas accepts every block for the H200: the PTX errors a GPU run would otherwise be the
+    # first to see.
+    assert set(_assembled_blocks()) == set(offline_sass.inline_ptx_blocks())
+    bad = offline_sass.ptx_entry("bad", "max.u16x3 $0, $1, $1;", 1, 1)  # no such instruction
+    with pytest.raises(subprocess.CalledProcessError):
+        offline_sass.assemble(bad, offline_sass.find_ptxas())
+
+
+def test_inline_ptx_decodes_keep_their_multiplies():
+    blocks = _assembled_blocks()
+    if not all(blocks.values()):
+        pytest.skip("no cuobjdump beside ptxas or on the PATH to read the SASS")
+    for name, sass in blocks.items():
+        ops = offline_sass.block_ops(sass)
+        assert sum(ops.values()) > 4, (name, ops)
+        if "word" in name:  # four bf16 pairs scaled
+            assert ops["HMUL2"] >= 1, (name, ops)
