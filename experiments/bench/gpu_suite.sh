@@ -25,7 +25,7 @@ STEPS=(
   "matmul-moe-layer|200|$PY $BENCH/fp4_matmul.py --moe-layer --ms 16,64"
   "matmul-k-split|240|$PY $BENCH/fp4_matmul.py --mgpu --ms 1,16 --variants '256,3,2,1,wk;128,4,2,1,wk;256,4,2,1,wk'"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
-  "engine-tests|240|$PY -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_engine_pallas.py"
+  "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
 )
 
 if [ "${1:-}" = "--list" ]; then
