@@ -35,6 +35,15 @@ in it and are put back in XLA. The V tile, which goes to shared memory, is decod
 rows): each code word's four pairs become one 16-byte store; the output's rows follow that
 tile's column order.
 
+MXFP4 (D = 128): a row's four E8M0 exponents are one word; the largest goes to the top of
+bf16's range (``_MX_SCALE_ASM``) and the row's power of two multiplies its score / probability,
+as the global scale does for both formats.
+
+The K/V append can be fused (``attend(..., append=...)``, used by
+``fp4_decode_attention.decode_attention_append(..., tensor_cores=True)``): the cache operands
+are mutable references, and the one program whose tile holds the new slot copies the new rows
+into its shared-memory copy of the tile before decoding it, and into the cache.
+
 ``decode="asm"``: the decode is PTX inside ``plgpu.inline_mgpu`` (GPU only). ``"portable"``: the
 same values in ``jnp``, both operands through shared memory (the interpreter's ``wgmma`` takes
 no register operand), for interpret mode.
@@ -206,6 +215,16 @@ selp.b32 $1, 0x7FC00000, f, p;
 """
 
 
+def _first_row(t, c):
+    """MLIR: the first of the two rows that warpgroup thread ``t = 32 w + 4 a + b`` holds in the
+    ``wgmma`` layouts, ``16 w + a`` (its second is 8 below); ``c`` makes i32 constants."""
+    from jax._src.lib.mlir.dialects import arith
+
+    return arith.addi(
+        arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
+    )
+
+
 def _decode_asm(codes_ref, scales_ref, d: int, fmt: str, layout: str = "wgmma"):
     """[64, D/8] uint32 code words and one KV head's block scales in shared memory (NVFP4:
     [64, D/16] uint8 E4M3 bytes; MXFP4: [64, 1] uint32, the four E8M0 bytes) -> (the bf16
@@ -242,9 +261,7 @@ def _decode_asm(codes_ref, scales_ref, d: int, fmt: str, layout: str = "wgmma"):
         idx = lambda v: arith.index_cast(index, v)  # noqa: E731
         t = arith.remui(mgpu_utils.thread_idx(), c(128))
         lane_b = arith.andi(t, c(3))
-        r0 = arith.addi(
-            arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
-        )
+        r0 = _first_row(t, c)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         eight = ir.VectorType.get((8,), ir.BF16Type.get())
         struct = llvm.StructType.get_literal([i32] * 4)
@@ -353,9 +370,7 @@ def _load_column(ref):
         index = ir.IndexType.get()
         c = lambda v: arith.constant(i32, v)  # noqa: E731
         t = arith.remui(mgpu_utils.thread_idx(), c(128))
-        r0 = arith.addi(
-            arith.muli(arith.shrui(t, c(5)), c(16)), arith.shrui(arith.andi(t, c(31)), c(2))
-        )
+        r0 = _first_row(t, c)
         layout = mgpu.WGMMA_ROW_LAYOUT
         regs = np.empty(layout.registers_shape((_BK,)), dtype=object)
         vec = ir.VectorType.get((1,), ir.F32Type.get())
