@@ -541,17 +541,19 @@ def _stream(
         first, count, at = rows
 
         def store_rows(t_smem):
-            t_smem.at[wg].T[...] = acc
-            plgpu.commit_smem()
+            @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
+            def _():
+                t_smem.at[wg].T[...] = acc
+                plgpu.commit_smem()
 
-            def one(j, _):
-                plgpu.copy_smem_to_gmem(
-                    t_smem.at[wg, pl.ds(first + j, 1)],
-                    out.at[pl.ds(at + j, 1), pl.ds(tile * _TILE_N, _TILE_N)],
-                )
+                def one(j, _):
+                    plgpu.copy_smem_to_gmem(
+                        t_smem.at[wg, pl.ds(first + j, 1)],
+                        out.at[pl.ds(at + j, 1), pl.ds(tile * _TILE_N, _TILE_N)],
+                    )
 
-            lax.fori_loop(0, count, one, None)
-            plgpu.wait_smem_to_gmem(0)
+                lax.fori_loop(0, count, one, None)
+                plgpu.wait_smem_to_gmem(0)
 
         t_smem = plgpu.SMEM((nwg, mpad, _TILE_N), out.dtype)
         pl.run_scoped(store_rows, t_smem, collective_axes=collective)
@@ -568,22 +570,27 @@ def _stream(
     pl.run_scoped(store, _out_smem(cfg, mpad, out.dtype), collective_axes=collective)
 
 
-def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt):
+def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt, tokens):
     *scale_gmem, o_gmem = refs  # the output scale [N] float32 when the output is scaled bf16
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")  # 0 when the warpgroups split K
     rows = cfg.warpgroups * _TILE_N
+    if tokens is None:
+        out, token_rows = o_gmem.at[sk, pl.ds(tn * rows, rows)], None
+    else:  # y [tokens, N]: the first `tokens` rows, token-major
+        out, token_rows = o_gmem.at[:, pl.ds(tn * rows, rows)], (0, tokens, 0)
     _stream(
         x_gmem,
         w_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
         s_gmem.at[pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
-        o_gmem.at[sk, pl.ds(tn * rows, rows)],
+        out,
         cfg=cfg,
         steps=steps,
         k0=sk * steps * (cfg.block_k // _CHUNK),  # a warpgroup's part: steps later each
         mpad=mpad,
         scale_format=fmt,
         scale=scale_gmem[0].at[pl.ds(tn * rows, rows)] if scale_gmem else None,
+        rows=token_rows,
     )
 
 
@@ -655,24 +662,32 @@ def dense_partials(
     cfg: MgpuMatmulConfig,
     *,
     scaled: bool = False,
+    tokens: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The kernel alone: xp [mpad, K] bf16 (mpad a multiple of 8), W [K, N] prepacked ->
     [P, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale (P = ``split_k``
     programs, or 1 when the warpgroups split K), or with ``scaled`` (no split across programs)
-    [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once."""
+    [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once; with ``tokens`` too, y
+    [tokens, N] bf16 of the first ``tokens`` rows, written token-major by the kernel (each
+    token's 64 outputs of a tile one TMA row: no transpose or slice after it)."""
     (mpad, k), n = xp.shape, w.shape[1]
     parts = 1 if cfg.split_in == "warpgroups" else cfg.split_k  # along the grid
     if scaled and parts != 1:
         raise ValueError(f"dense_partials: a scaled bf16 output needs one part per tile: {cfg}")
+    if tokens is not None and not (scaled and 0 < tokens <= mpad):
+        raise ValueError(f"dense_partials: tokens={tokens} needs scaled and 0 < tokens <= {mpad}")
     steps = k // (cfg.block_k * cfg.split_k)
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps))
     _check_smem(cfg, cfg.stages, mpad, "fp4_matmul_mgpu")
     nwg = _threads(cfg)
     threads = dict(num_threads=nwg, thread_name="wg") if nwg > 1 else {}
+    out_shape = (parts, n, mpad) if tokens is None else (tokens, n)
     kernel = plgpu.kernel(
-        functools.partial(_dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format),
-        out_type=jax.ShapeDtypeStruct((parts, n, mpad), jnp.bfloat16 if scaled else jnp.float32),
+        functools.partial(
+            _dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format, tokens=tokens
+        ),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16 if scaled else jnp.float32),
         grid=(n // (_TILE_N * cfg.warpgroups), parts),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -717,7 +732,7 @@ def fp4_matmul_mgpu(
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
     if (cfg.split_k == 1 or cfg.split_in == "warpgroups") and row_scale is None:
         # scaled and rounded in the kernel
-        return dense_partials(xp, w, cfg, scaled=True, interpret=interpret)[0, :, :m].T
+        return dense_partials(xp, w, cfg, scaled=True, tokens=m, interpret=interpret)
     part = dense_partials(xp, w, cfg, interpret=interpret)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
     if row_scale is not None:
