@@ -337,6 +337,41 @@ def test_gpu_quantize_matches_cpu(fmt, mode):
 
 
 @pytest.mark.gpu
+def test_gpu_quantize_after_a_bf16_rounding_in_the_same_program_matches_cpu():
+    # the site's input rounded to bf16 inside the same jitted program (as a layer's output
+    # feeding its quantization site): the GPU must quantize the bf16 values, as a kernel reading
+    # the materialised array does, not the float32 values before the rounding
+    x = jax.random.normal(jax.random.key(5), (64, 1024)) * 3
+
+    def fn(x):
+        return fp4.quantize((x * 1.0001 + 0.3).astype(jnp.bfloat16), "nvfp4", axis=-1)
+
+    gpu = jax.jit(fn)(x)
+    materialised = jax.jit(lambda x: (x * 1.0001 + 0.3).astype(jnp.bfloat16))(x)
+    want = jax.jit(lambda y: fp4.quantize(y, "nvfp4", axis=-1))(materialised)
+    for a, b in ((gpu.codes, want.codes), (gpu.block_scales, want.block_scales)):
+        np.testing.assert_array_equal(
+            np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)),
+            np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8)),
+        )
+
+
+def test_bf16_input_is_rounded_explicitly():
+    # to_blocks rounds a bf16 input to bf16 again with an explicit reduce_precision (which
+    # XLA's excess precision does not drop, unlike a convert pair; the GPU test above checks
+    # the effect), a no-op on values that are bf16 already.
+    from trace_jax.fp4.quantize import to_blocks
+
+    x = jax.random.normal(jax.random.key(6), (4, 64)) * 3
+    lowered = jax.jit(lambda x: to_blocks(x.astype(jnp.bfloat16), -1, 16)).lower(x)
+    assert "reduce_precision" in lowered.as_text()
+    np.testing.assert_array_equal(
+        np.asarray(to_blocks(x.astype(jnp.bfloat16), -1, 16)).reshape(4, 64),
+        np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)),
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scale_rule", ["max6", "four_over_six"])
 def test_gpu_fake_quant_matches_cpu(scale_rule):
     # the fused quantize-dequantize (the trainer's forward) gives the CPU's values on the GPU

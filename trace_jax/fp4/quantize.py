@@ -60,9 +60,17 @@ ScaleRule = Literal["max6", "four_over_six"]
 
 
 def to_blocks(x: jax.Array, axis: int, block_size: int) -> jax.Array:
-    """Logical [..., K, ...] -> stored-layout blocks [*S[:-1], K // block, block] float32."""
-    xm = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
-    return xm.reshape(*xm.shape[:-1], xm.shape[-1] // block_size, block_size)
+    """Logical [..., K, ...] -> stored-layout blocks [*S[:-1], K // block, block] float32.
+
+    A bf16 input is rounded to bf16 again, explicitly, after the widening: the quantizer must
+    see the bf16 values a kernel reading the materialised array sees, and XLA (excess precision,
+    on by default on the GPU) may drop a float32 -> bf16 -> float32 pair inside a fusion; a
+    ``reduce_precision`` stays (a no-op on values that are bf16 already)."""
+    xm = jnp.moveaxis(x, axis, -1)
+    x32 = xm.astype(jnp.float32)
+    if xm.dtype == jnp.bfloat16:
+        x32 = jax.lax.reduce_precision(x32, exponent_bits=8, mantissa_bits=7)
+    return x32.reshape(*x32.shape[:-1], x32.shape[-1] // block_size, block_size)
 
 
 def from_blocks(blocks: jax.Array, axis: int) -> jax.Array:
