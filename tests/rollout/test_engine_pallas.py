@@ -206,7 +206,7 @@ def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeyp
 
 @pytest.mark.slow
 def test_tensor_core_attention_decodes_as_the_triton_kernel(monkeypatch):
-    """kernels=("moe", "attention_tc") over an NVFP4 cache (4 KV heads of 64 dims, 64 slots:
+    """kernels=("attention_tc",) over an NVFP4 cache (4 KV heads of 64 dims, 64 slots:
     shapes the tensor-core kernel takes): the decode steps attend (and append K/V) with the
     Mosaic GPU kernel (its interpreter here) and generate what the engine with
     the Triton decode-attention kernel generates, log-probs within 1e-2 (measured 4.9e-3: the
@@ -225,23 +225,23 @@ def test_tensor_core_attention_decodes_as_the_triton_kernel(monkeypatch):
     cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, head_dim=64)
     model = Transformer(cfg, nnx.Rngs(1))
     states = {}
-    for kernels in (("moe", "attention"), ("moe", "attention_tc")):
+    for kernels in (("attention",), ("attention_tc",)):  # MoE layers in XLA: not compared
         eng = RolloutEngine(
             model,
             QuantPolicy.rollout("nvfp4"),
             RolloutConfig(
                 max_len=64,
-                max_new_tokens=NEW,
+                max_new_tokens=3,
                 kv_cache="nvfp4",
                 backend="pallas",
                 kernels=kernels,
                 sampling=SamplingConfig(temperature=0.0),
             ),
         )
-        states[kernels[1]] = eng.generate(PROMPTS, jax.random.key(0))
+        states[kernels[0]] = eng.generate(PROMPTS, jax.random.key(0))
     triton, tensor_cores = states["attention"], states["attention_tc"]
     gen = np.asarray(triton.generated)
-    assert gen.sum() == NEW * len(PROMPTS)
+    assert gen.sum() == 3 * len(PROMPTS)
     np.testing.assert_array_equal(np.asarray(tensor_cores.tokens), np.asarray(triton.tokens))
     diff = np.abs(np.asarray(tensor_cores.logprobs) - np.asarray(triton.logprobs))[gen]
     assert diff.max() < 1e-2, diff.max()
