@@ -438,14 +438,15 @@ def _kernel(
     [B, Hkv * X], global scales [B, Hkv]), and the six cache operands are mutable: the program
     whose tile holds the new slot writes the rows into its shared-memory copy of the tile
     (before the decode reads it) and into the cache."""
-    if fused:
-        slot_gmem, *new_rows = refs[:7]
-        refs = refs[7:]
-    o_gmem, m_gmem, l_gmem = refs
     h = lax.axis_index("h")
     hkv = kc_gmem.shape[2]
     split = lax.axis_index("s")
     b = lax.axis_index("b")
+    if fused:
+        slot_gmem, *new_rows = refs[:7]
+        refs = refs[7:]
+        new_slot = slot_gmem[b]  # read once, before the loop
+    o_gmem, m_gmem, l_gmem = refs
     hi = len_gmem[b]
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
     lo_aligned = (lo // _BK) * _BK
@@ -468,7 +469,7 @@ def _kernel(
     def put_new_row(start, tiles, slot, rows, cache):
         """The new token's stored row, where this step's tile holds its slot: into the tile's
         three buffers (codes, this head's scales, this head's global scale) and the cache."""
-        new = slot_gmem[b]
+        new = new_slot
         r = new - start
 
         @pl.when((new >= 0) & (r >= 0) & (r < _BK))
