@@ -85,12 +85,15 @@ class MgpuAttentionConfig:
       stages: K/V tile buffers in flight per program (64 slots each).
       p_parts: bf16 parts of the probabilities in the output's multiply: 2 (hi + lo, ~16
         significant bits) or 1 (rounded to bf16 once, as the Triton kernel).
+      overlap_v: decode the V tile while the scores' multiply runs (between its issue and
+        its wait) instead of after the softmax.
       decode: "asm" (PTX, GPU only) or "portable" (jnp; used automatically in interpret mode).
     """
 
     num_splits: int = 8
     stages: int = 2
     p_parts: int = 2
+    overlap_v: bool = False
     decode: Decode = "asm"
 
     def __post_init__(self):
@@ -524,6 +527,17 @@ def _kernel(
                 put_new_row(start, (kc, ks, kg), slot, new_rows[:3], (kc_gmem, ks_gmem, kg_gmem))
             a, k_factor = decode(kc.at[slot], head_scales(ks.at[slot]))
 
+            def decode_v():
+                """The V tile into shared memory; returns its rows' factors."""
+                plgpu.barrier_wait(vbar.at[slot])
+                if fused:
+                    put_new_row(
+                        start, (vc, vs, vg), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem)
+                    )
+                v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]), layout="vector")
+                vdec[...] = v_tile
+                return v_factor
+
             def scores(acc_ref):
                 if kdec is None:
                     plgpu.wgmma(acc_ref, a, q_smem.T)
@@ -531,9 +545,10 @@ def _kernel(
                     kdec[...] = a
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, kdec, q_smem.T)
-                return acc_ref[...]
+                v_factor = decode_v() if cfg.overlap_v else None
+                return acc_ref[...], v_factor
 
-            st = pl.run_scoped(scores, plgpu.ACC((_BK, gp), jnp.float32))
+            st, v_factor = pl.run_scoped(scores, plgpu.ACC((_BK, gp), jnp.float32))
             kg_row = with_factor(row_vector(kg.at[slot]), k_factor) * logit_scale
             s = st * lax.broadcast_in_dim(kg_row, st.shape, [0])
             pos = start + plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -543,11 +558,8 @@ def _kernel(
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
             lsum = lsum * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-            plgpu.barrier_wait(vbar.at[slot])
-            if fused:
-                put_new_row(start, (vc, vs, vg), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem))
-            v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]), layout="vector")
-            vdec[...] = v_tile
+            if not cfg.overlap_v:
+                v_factor = decode_v()
             vg_row = with_factor(row_vector(vg.at[slot]), v_factor)
             pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
             p_hi = pv.astype(jnp.bfloat16)

@@ -16,7 +16,7 @@ BENCH=experiments/bench
 # name | time limit (s) | command
 STEPS=(
   "attention-tests|400|$PY -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp4_decode_attention.py"
-  "attention-mgpu|200|$PY $BENCH/fp4_attention.py --mgpu --shapes 32x8192 --grid '[{}, {\"stages\": 3}, {\"num_splits\": 4}, {\"num_splits\": 16}, {\"p_parts\": 1}]'"
+  "attention-mgpu|200|$PY $BENCH/fp4_attention.py --mgpu --shapes 32x8192 --grid '[{}, {\"stages\": 3}, {\"num_splits\": 4}, {\"num_splits\": 16}, {\"p_parts\": 1}, {\"overlap_v\": true}]'"
   "attention-table|420|$PY $BENCH/fp4_attention.py"
   "attention-fused|300|$PY $BENCH/fp4_attention.py --fused"
   "matmul-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/fp4/test_quantize.py tests/pallas_kernels/test_fp4_activation.py tests/pallas_kernels/test_fp4_matmul_mgpu.py"

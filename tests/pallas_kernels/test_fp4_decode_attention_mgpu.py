@@ -32,8 +32,16 @@ def _run(q, k, v, lengths, window=None, cfg=CFG, interpret=True):
     [
         # lengths 0, 1, the maximum and in between; G = 4 query heads padded to 8
         (4, 192, 4, 16, 128, [0, 1, 192, 70], CFG),
-        # G = 8, one split per sequence, one buffer
-        (2, 128, 4, 32, 64, [128, 65], fm.MgpuAttentionConfig(num_splits=1, stages=1)),
+        # G = 8, one split per sequence, one buffer, V decoded during the scores' multiply
+        (
+            2,
+            128,
+            4,
+            32,
+            64,
+            [128, 65],
+            fm.MgpuAttentionConfig(num_splits=1, stages=1, overlap_v=True),
+        ),
         # more splits than steps; 3 buffers; p rounded to bf16 once
         (2, 256, 4, 8, 64, [3, 250], fm.MgpuAttentionConfig(num_splits=3, stages=3, p_parts=1)),
     ],
@@ -271,9 +279,10 @@ def test_bad_inputs():
         fm.MgpuAttentionConfig(p_parts=3)
 
 
+@pytest.mark.parametrize("overlap_v", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_lowers_for_cuda(fmt, fused):
+def test_lowers_for_cuda(fmt, fused, overlap_v):
     # The GPU path (PTX decode, layout inference, TMA and barriers; the fused append's row
     # copies and the cache operands aliased to the kernel's outputs) lowered for CUDA here.
     b, s, hkv, hq, d = 2, 256, 4, 32, 128
@@ -281,11 +290,16 @@ def test_lowers_for_cuda(fmt, fused):
     n = jnp.array([1, 200], jnp.int32)
     if fused:
         new = jnp.zeros((b, hkv, d), jnp.bfloat16)
-        fn = lambda q, k, v, n: fa.decode_attention_append(  # noqa: E731
-            q, k, v, new, new, n, window=64, tensor_cores=True
-        )
+        append = (jnp.where(n < s, n, -1), *(kc.stored_cache(fmt, new[:, None]),) * 2)
+
+        def fn(q, k, v, n):
+            return fm.attend(q, k, v, n + 1, None, 64, cfg, False, append)[0]
     else:
-        fn = lambda q, k, v, n: fm.decode_attention_mgpu(q, k, v, n, window=64)  # noqa: E731
+
+        def fn(q, k, v, n):
+            return fm.decode_attention_mgpu(q, k, v, n, window=64, config=cfg)
+
+    cfg = fm.MgpuAttentionConfig(overlap_v=overlap_v)
     text = cuda_lowering.export_for_cuda(fn, q, k, v, n)
     call = text[text.index("stablehlo.custom_call @mosaic_gpu") :].split("\n", 1)[0]
     assert call.count("output_operand_alias<") == (6 if fused else 0)
