@@ -111,13 +111,19 @@ def default_config(batch: int, max_len: int, kv_heads: int, fmt: CacheFormat):
     block_k = min(step, _prev_pow2(max_len))
     while max_len % block_k:
         block_k //= 2
-    steps = max(1, max_len // block_k)
-    splits = 1
-    while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
-        splits *= 2
+    splits = default_splits(batch, kv_heads, max(1, max_len // block_k))
     return DecodeAttentionConfig(
         block_k=block_k, num_splits=splits, num_warps=warps, num_stages=stages
     )
+
+
+def default_splits(batch: int, kv_heads: int, steps: int) -> int:
+    """Splits per (sequence, KV head) for about 1024 programs, without a split shorter than 4
+    of the ``steps`` loop steps (4 to 8 splits were within noise of each other at B=32)."""
+    splits = 1
+    while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
+        splits *= 2
+    return splits
 
 
 def _prev_pow2(v: int) -> int:
@@ -579,19 +585,26 @@ def decode_attention_append(
     return out, k, v
 
 
-def _check(q, k, v, window, config, interpret):
-    """Validate the shapes; returns (cache format, tiling)."""
+def check_shapes(q, k, v, window, who: str = "decode_attention"):
+    """Validate q, the cache and the window (shared with the tensor-core kernel); returns
+    (cache format, (B, S, Hkv, D))."""
     fmt = cache_format(k)
     if cache_format(v) != fmt:
-        raise ValueError(f"decode_attention: K is {fmt} but V is {cache_format(v)}")
+        raise ValueError(f"{who}: K is {fmt} but V is {cache_format(v)}")
     b, s, hkv, d = _cache_shape(k)
     if _cache_shape(v) != (b, s, hkv, d):
-        raise ValueError(f"decode_attention: K {(b, s, hkv, d)} and V {_cache_shape(v)} differ")
+        raise ValueError(f"{who}: K {(b, s, hkv, d)} and V {_cache_shape(v)} differ")
     bq, hq, dq = q.shape
     if bq != b or dq != d or hq % hkv:
-        raise ValueError(f"decode_attention: q {q.shape} does not fit a [B={b}, Hkv={hkv}] cache")
+        raise ValueError(f"{who}: q {q.shape} does not fit a [B={b}, Hkv={hkv}] cache")
     if window is not None and window < 1:
-        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+        raise ValueError(f"{who}: window must be >= 1, got {window}")
+    return fmt, (b, s, hkv, d)
+
+
+def _check(q, k, v, window, config, interpret):
+    """Validate the shapes; returns (cache format, tiling)."""
+    fmt, (b, s, hkv, _) = check_shapes(q, k, v, window)
     cfg = config or default_config(b, s, hkv, fmt)
     if s % cfg.block_k:
         raise ValueError(f"decode_attention: cache length {s} is not a multiple of {cfg.block_k}")

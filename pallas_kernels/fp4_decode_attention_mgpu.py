@@ -106,13 +106,11 @@ class MgpuAttentionConfig:
 
 
 def default_config(batch: int, max_len: int, kv_heads: int) -> MgpuAttentionConfig:
-    """Splits for about 1024 programs without a split shorter than 4 steps (as the Triton
-    kernel's defaults), 2 buffers."""
-    steps = max(1, max_len // _BK)
-    splits = 1
-    while batch * kv_heads * splits < 1024 and steps // (splits * 2) >= 4:
-        splits *= 2
-    return MgpuAttentionConfig(num_splits=splits)
+    """The Triton kernel's splits rule (``fp4_decode_attention.default_splits``) over 64-slot
+    steps, 2 buffers."""
+    from pallas_kernels.fp4_decode_attention import default_splits
+
+    return MgpuAttentionConfig(num_splits=default_splits(batch, kv_heads, max(1, max_len // _BK)))
 
 
 def supports(k: kv_cache.Stored, v: kv_cache.Stored, q_heads: int) -> bool:
@@ -679,23 +677,15 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
     kernel also writes the new rows into the cache operands in place (``lengths`` counting the
     new token). Returns (out [B, Hq, D] bf16, the written K and V cache operands (``_operands``
     order), or None without ``append``)."""
-    from pallas_kernels.fp4_decode_attention import _cache_shape, _combine
+    from pallas_kernels.fp4_decode_attention import _combine, check_shapes
 
-    b, s, hkv, d = _cache_shape(k)
-    if _cache_shape(v) != (b, s, hkv, d):
-        raise ValueError(f"decode_attention_mgpu: K {(b, s, hkv, d)} and V {v.shape} differ")
-    if q.shape[0] != b or q.shape[2] != d or q.shape[1] % hkv:
-        raise ValueError(
-            f"decode_attention_mgpu: q {q.shape} does not fit a [B={b}, Hkv={hkv}] cache"
-        )
+    _, (b, s, hkv, d) = check_shapes(q, k, v, window, "decode_attention_mgpu")
     if not supports(k, v, q.shape[1]):
         raise ValueError(
             f"decode_attention_mgpu: needs NVFP4 K and V with D a multiple of 64 (<= 256) or "
             f"MXFP4 with D = 128, S a multiple of 64 and Hkv a multiple of 4; got "
             f"{k.fmt.name}/{v.fmt.name} [B={b}, S={s}, Hkv={hkv}, D={d}]"
         )
-    if window is not None and window < 1:
-        raise ValueError(f"decode_attention_mgpu: window must be >= 1, got {window}")
     cfg = config or default_config(b, s, hkv)
     if interpret:
         cfg = dataclasses.replace(cfg, decode="portable")
