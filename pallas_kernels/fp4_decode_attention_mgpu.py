@@ -87,6 +87,11 @@ class MgpuAttentionConfig:
         significant bits) or 1 (rounded to bf16 once, as the Triton kernel).
       overlap_v: decode the V tile while the scores' multiply runs (between its issue and
         its wait) instead of after the softmax.
+      auto_barriers: let Pallas put a warpgroup barrier before every TMA copy and around every
+        shared-memory store (about 12 per step). False: only the kernel's own ``commit_smem``
+        per step, which is all its memory order needs: each step's reads of a slot's buffers
+        and its stores of the V tile and p all come before that barrier, the copies refilling
+        the slot after it, and a store overwrites only what an already awaited multiply read.
       decode: "asm" (PTX, GPU only) or "portable" (jnp; used automatically in interpret mode).
     """
 
@@ -94,6 +99,7 @@ class MgpuAttentionConfig:
     stages: int = 2
     p_parts: int = 2
     overlap_v: bool = False
+    auto_barriers: bool = True
     decode: Decode = "asm"
 
     def __post_init__(self):
@@ -720,7 +726,9 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
         grid_names=("h", "s", "b"),
         # exp2 as one ex2.approx.ftz.f32 (relative error ~2**-22; results below 2**-126 flush
         # to 0), as JAX's own attention kernels; nothing else in the kernel is approximated
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, unsafe_no_auto_barriers=not cfg.auto_barriers
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     cache = _operands(k) + _operands(v)

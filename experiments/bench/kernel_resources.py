@@ -7,12 +7,14 @@ under ``ncu`` (launch statistics and occupancy sections of the kernel's first la
 Usage (GPU machine): ``PYTHONPATH=. python3 experiments/bench/kernel_resources.py``; prints the
 per-thread registers, shared memory per block, and theoretical and achieved occupancy per case.
 ``--attention-stalls '[{}, {"prefetch": 1}]'``: stall reasons, pipe use and occupancy of the
-nvfp4 kernel at B=32 S=8192, one launch per configuration (``DecodeAttentionConfig`` fields).
+nvfp4 kernel at B=32 S=8192, one launch per configuration (``DecodeAttentionConfig`` fields; with
+``"tensor_cores": true``, the tensor-core kernel's ``MgpuAttentionConfig`` fields).
 Needs ``ncu`` (the CUDA toolkit's) on PATH or under /usr/local/cuda*/bin.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import re
 import shutil
@@ -201,18 +203,25 @@ ATTENTION_STALL_METRICS = (
 
 def run_attention_configs() -> None:
     """Child process: one nvfp4 decode-attention launch (B=32 S=8192) per configuration given
-    on the command line (a JSON list of ``DecodeAttentionConfig`` fields; {} is the default)."""
+    on the command line (a JSON list of ``DecodeAttentionConfig`` fields, {} the default; with
+    ``"tensor_cores": true``, the tensor-core kernel and ``MgpuAttentionConfig`` fields)."""
     import json
 
     import jax
 
     from experiments.bench import fp4_attention as bench
     from pallas_kernels import fp4_decode_attention as fa
+    from pallas_kernels import fp4_decode_attention_mgpu as fm
 
     q, k, v, n = bench.make_case(32, 8192, "nvfp4", 1, seed=1)[0]
     for spec in json.loads(sys.argv[2]):
-        cfg = fa.DecodeAttentionConfig(**spec) if spec else None
         print(f"CASE {spec}", flush=True)
+        spec = dict(spec)
+        if spec.pop("tensor_cores", False):
+            cfg = dataclasses.replace(fm.default_config(32, 8192, k.shape[2]), **spec)
+            jax.block_until_ready(fm.decode_attention_mgpu(q, k, v, n, config=cfg))
+            continue
+        cfg = fa.DecodeAttentionConfig(**spec) if spec else None
         jax.block_until_ready(fa.decode_attention(q, k, v, n, config=cfg))
 
 
@@ -226,7 +235,7 @@ def attention_stalls(ncu: str, out_dir: str, specs: str) -> int:
            "WarpStateStats", "--section", "LaunchStats", "--section", "Occupancy",
            "--section", "SchedulerStats", "--metrics", ",".join(ATTENTION_STALL_METRICS),
            "--print-metric-instances", "values",
-           "-k", "regex:decode_attention", "--log-file", log_path,
+           "-k", "regex:decode_attention|mosaic_gpu", "--log-file", log_path,
            sys.executable, __file__, "--child-attention", specs]  # fmt: skip
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -240,7 +249,8 @@ def attention_stalls(ncu: str, out_dir: str, specs: str) -> int:
     )
     with open(log_path) as f:
         for ln in f.read().splitlines():
-            if ln.startswith("CASE") or "decode_attention" in ln or any(m in ln for m in keys):
+            named = "decode_attention" in ln or "mosaic_gpu" in ln
+            if ln.startswith("CASE") or named or any(m in ln for m in keys):
                 print(f"  {re.sub(r'\s+', ' ', ln.strip())[:3000]}", flush=True)
     return 0
 

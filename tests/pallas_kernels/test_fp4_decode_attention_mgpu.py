@@ -279,10 +279,10 @@ def test_bad_inputs():
         fm.MgpuAttentionConfig(p_parts=3)
 
 
-@pytest.mark.parametrize("overlap_v", [False, True])
+@pytest.mark.parametrize("options", [{}, {"overlap_v": True}, {"auto_barriers": False}])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_lowers_for_cuda(fmt, fused, overlap_v):
+def test_lowers_for_cuda(fmt, fused, options):
     # The GPU path (PTX decode, layout inference, TMA and barriers; the fused append's row
     # copies and the cache operands aliased to the kernel's outputs) lowered for CUDA here.
     b, s, hkv, hq, d = 2, 256, 4, 32, 128
@@ -299,7 +299,7 @@ def test_lowers_for_cuda(fmt, fused, overlap_v):
         def fn(q, k, v, n):
             return fm.decode_attention_mgpu(q, k, v, n, window=64, config=cfg)
 
-    cfg = fm.MgpuAttentionConfig(overlap_v=overlap_v)
+    cfg = fm.MgpuAttentionConfig(**options)
     text = cuda_lowering.export_for_cuda(fn, q, k, v, n)
     call = text[text.index("stablehlo.custom_call @mosaic_gpu") :].split("\n", 1)[0]
     assert call.count("output_operand_alias<") == (6 if fused else 0)
