@@ -11,7 +11,14 @@ from hypothesis.extra import numpy as hnp
 
 from trace_jax import fp4
 from trace_jax.fp4.formats import E2M1_VALUES, E4M3_MAX, E4M3_MIN_NORMAL
-from trace_jax.fp4.quantize import decode_blocks, e4m3_to_float32, normalise, nvfp4_block_scale
+from trace_jax.fp4.quantize import (
+    decode_blocks,
+    e4m3_to_float32,
+    exact_div,
+    nearest_even_quotient,
+    normalise,
+    nvfp4_block_scale,
+)
 
 
 def np_decode(qt: fp4.QTensor) -> np.ndarray:
@@ -316,6 +323,72 @@ def test_e4m3_scale_values_from_bits():
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def _flushed(x):
+    """Subnormals to a zero of their sign (exact_div's rule on the way in and out)."""
+    tiny = np.abs(x) < np.float32(2.0**-126)
+    return np.where(tiny, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def _random_divisions(n=1 << 16):
+    rng = np.random.default_rng(11)
+    scaled = rng.standard_normal((2, n)) * np.exp2(rng.integers(-40, 40, (2, n)))
+    bits = rng.integers(0, 2**32, (2, n), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -3.0, 6.0, 448.0, 2688.0, 2.0**-126,
+         2.0**-126 * (1 - 2.0**-24), 1e-45, -3e-39, 3.4028235e38, 1.5, 2.0**-149 * 3],
+        np.float32,
+    )  # fmt: skip
+    sa, sb = np.meshgrid(special, special)
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.concatenate([scaled[0].astype(np.float32), bits[0], sa.ravel()])
+        b = np.concatenate([scaled[1].astype(np.float32), bits[1], sb.ravel()])
+    return a, b
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_exact_div_is_ieee_division_bit_for_bit(jit):
+    # against numpy's IEEE float32 division (subnormals flushed in and out, as documented),
+    # over scaled normals, arbitrary bit patterns (inf, NaN, subnormal) and special pairs
+    a, b = _random_divisions()
+    fn = jax.jit(exact_div) if jit else exact_div
+    got = np.asarray(fn(a, b))
+    with np.errstate(all="ignore"):
+        want = _flushed(_flushed(a) / _flushed(b))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+def test_exact_div_by_a_constant_is_not_a_reciprocal_multiply():
+    # XLA rewrites x / c as x * (1 / c) (one more rounding); 1/6 is inexact
+    x = jnp.asarray(np.random.default_rng(2).uniform(0, 448, 4096), jnp.float32)
+    got = np.asarray(jax.jit(lambda x: exact_div(x, 6.0))(x))
+    np.testing.assert_array_equal(got, np.asarray(x) / np.float32(6))
+
+
+def test_nearest_even_quotient_corrects_guesses_up_to_seven_away():
+    # the correction that makes an approximate backend division exact (the GPU's is within
+    # 2 ulp), checked against Python's exact integer rounding
+    rng = np.random.default_rng(5)
+    mb = rng.integers(2**23, 2**24, 4096, dtype=np.uint64)
+    ma = rng.integers(2**23, 2**24, 4096, dtype=np.uint64)
+    ma = np.where(ma < mb, ma * 2, ma)  # ma / mb in [1, 2)
+    # exact ties: mb = 2**24 and an odd ma make ma * 2**23 / mb = (ma - 1) / 2 + 1/2, with an
+    # even and an odd integer part in turn
+    ma[:16], mb[:16] = 2**24 + 1 + 2 * np.arange(16), 2**24
+    ma, mb = ma.astype(np.int64), mb.astype(np.int64)
+    quo, rem = np.divmod(ma * 2**23, mb)
+    up = (2 * rem > mb) | ((2 * rem == mb) & (quo % 2 == 1))
+    want = (quo + up).astype(np.int64)
+    for off in range(-7, 8):
+        got = nearest_even_quotient(
+            jnp.asarray(ma, jnp.uint32),
+            jnp.asarray(mb, jnp.uint32),
+            jnp.asarray(want + off, jnp.int32),
+        )
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"guess off by {off}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("fmt", "mode"), [("nvfp4", "tensor"), ("nvfp4", "row"), ("mxfp4", "tensor")]
@@ -334,6 +407,18 @@ def test_gpu_quantize_matches_cpu(fmt, mode):
             np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8)),
         )
     np.testing.assert_array_equal(np.asarray(gpu.global_scale), np.asarray(cpu.global_scale))
+
+
+@pytest.mark.gpu
+def test_gpu_exact_div_matches_the_cpu():
+    # XLA's float32 division on the GPU is div.full.f32 (within 2 ulp); exact_div is IEEE's
+    a, b = _random_divisions()
+    gpu = np.asarray(jax.jit(exact_div)(a, b))
+    with np.errstate(all="ignore"):
+        want = _flushed(_flushed(a) / _flushed(b))
+    np.testing.assert_array_equal(np.isnan(gpu), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(gpu[ok].view(np.uint32), want[ok].view(np.uint32))
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.fp4 import e2m1
 from trace_jax.fp4.formats import (
@@ -96,16 +97,73 @@ def _block_reduce(per_element: jax.Array, block_2d: bool, op) -> jax.Array:
 
 
 def exact_div(a: jax.Array, b) -> jax.Array:
-    """IEEE float32 ``a / b``, computed as written.
+    """IEEE float32 ``a / b`` (round to nearest even), the same bits on every backend.
 
-    XLA's algebraic simplifier rewrites a division by a constant or by a broadcast scalar into a
-    multiplication by a rounded reciprocal, and ``(a / b) / c`` into ``a / (b * c)``; either
-    changes the last bit of a scale, and through it codes. Hiding both operands behind an
-    optimization barrier keeps the division that the formats' reference encoders perform.
+    The formats' reference encoders divide in IEEE float32, and a scale one ulp off changes
+    codes. XLA's own ``divide`` is not that everywhere: on the GPU it is ``div.full.f32``
+    (within 2 ulp; about 29 % of random quotients differ from IEEE's in the last bit, measured
+    with ``experiments/bench/gpu_numerics.py``), and the algebraic simplifier turns divisions by
+    constants into multiplications by rounded reciprocals. Here the backend's quotient of the
+    two significands is only a first guess ``q0``: the remainder ``A * 2**23 - q0 * B`` of the
+    integer significands is exact in wrapping uint32 arithmetic (it is small), and
+    ``nearest_even_quotient`` corrects the guess with it.
+
+    Args:
+      a, b: float32 arrays (or scalars) that broadcast together.
+    Returns:
+      float32 ``a / b`` of the broadcast shape: IEEE 754 bit for bit (NaN results canonical),
+      with subnormals flushed to a zero of their sign on the way in and on the way out (as
+      XLA:CPU's own arithmetic does; the FP4 scales never rely on them): a quotient below the
+      smallest normal is 0 unless it rounds up to that normal.
     """
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    a, b = jax.lax.optimization_barrier((a, b))
-    return a / b
+    u32 = jnp.uint32
+    ua = jax.lax.bitcast_convert_type(a, u32)
+    ub = jax.lax.bitcast_convert_type(b, u32)
+    sign = (ua ^ ub) & u32(0x80000000)
+    ea = ((ua >> 23) & u32(0xFF)).astype(jnp.int32)
+    eb = ((ub >> 23) & u32(0xFF)).astype(jnp.int32)
+    ma = (ua & u32(0x7FFFFF)) | u32(0x800000)  # significands in [2**23, 2**24)
+    mb = (ub & u32(0x7FFFFF)) | u32(0x800000)
+    below = ma < mb
+    ma = jnp.where(below, ma << 1, ma)  # ma / mb in [1, 2)
+    e = ea - eb + 127 - below.astype(jnp.int32)  # the quotient's biased exponent
+    # first guess of round(ma / mb * 2**23) from the backend's division (within a few ulp)
+    guess = ma.astype(jnp.float32) / mb.astype(jnp.float32) * np.float32(2.0**23)
+    q0 = jnp.clip(guess, 2.0**23 - 8, 2.0**24 + 8).astype(jnp.int32)  # (NaN: masked below)
+    q = nearest_even_quotient(ma, mb, q0)
+    # q in [2**23, 2**24]: its implicit bit adds 1 to the exponent field (a carry, another)
+    bits = (jnp.clip(e, 1, 254) - 1).astype(u32) * u32(1 << 23) + q.astype(u32)
+    mag = jnp.where(e >= 255, u32(0x7F800000), jnp.minimum(bits, u32(0x7F800000)))
+    # below the normal range: flushed, unless it rounds up to the smallest normal
+    mag = jnp.where(e < 1, jnp.where((e == 0) & (q == 1 << 24), u32(0x800000), u32(0)), mag)
+    a_zero, b_zero, a_inf, b_inf = ea == 0, eb == 0, ea == 255, eb == 255  # (inf: or NaN)
+    mag = jnp.where(a_zero | b_inf, u32(0), mag)
+    mag = jnp.where(a_inf | b_zero, u32(0x7F800000), mag)
+    nan_in = ((ua & u32(0x7FFFFFFF)) > u32(0x7F800000)) | ((ub & u32(0x7FFFFFFF)) > u32(0x7F800000))
+    nan = nan_in | (a_zero & b_zero) | (a_inf & b_inf)
+    return jax.lax.bitcast_convert_type(jnp.where(nan, u32(0x7FC00000), sign | mag), jnp.float32)
+
+
+def nearest_even_quotient(ma: jax.Array, mb: jax.Array, q0: jax.Array) -> jax.Array:
+    """round(ma * 2**23 / mb), ties to even, from a guess within 8 of it.
+
+    Args:
+      ma: uint32 in [2**23, 2**25), mb: uint32 in [2**23, 2**24), with ma / mb in [1, 2).
+      q0: int32 guess, |q0 - ma * 2**23 / mb| < 8.
+    Returns:
+      int32 in [2**23, 2**24].
+    """
+    # the exact remainder ma * 2**23 - q0 * mb (|.| < 2**28: exact modulo 2**32), then the
+    # nearest multiple of mb (from a float estimate, off by at most one) taken out of it
+    rem = jax.lax.bitcast_convert_type((ma << 23) - q0.astype(jnp.uint32) * mb, jnp.int32)
+    mbi = mb.astype(jnp.int32)
+    k = jnp.round(rem.astype(jnp.float32) / mbi.astype(jnp.float32)).astype(jnp.int32)
+    twice = 2 * (rem - k * mbi)  # within (-3 mb, 3 mb): at most one step from the nearest
+    q = q0 + k + (twice > mbi).astype(jnp.int32) - (twice < -mbi).astype(jnp.int32)
+    # exactly halfway (twice = +-mb: q is the lower / upper neighbour): the even one
+    odd = q & 1
+    return q + jnp.where(twice == mbi, odd, 0) - jnp.where(twice == -mbi, odd, 0)
 
 
 def nvfp4_global_scale(amax: jax.Array, e4m3_max: float = E4M3_MAX) -> jax.Array:
