@@ -15,6 +15,7 @@ from trace_jax.fp4.quantize import (
     decode_blocks,
     e4m3_to_float32,
     exact_div,
+    integer_div,
     nearest_even_quotient,
     normalise,
     nvfp4_block_scale,
@@ -346,11 +347,13 @@ def _random_divisions(n=1 << 16):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_exact_div_is_ieee_division_bit_for_bit(jit):
+@pytest.mark.parametrize("div", [exact_div, integer_div])
+def test_exact_div_is_ieee_division_bit_for_bit(div, jit):
     # against numpy's IEEE float32 division (subnormals flushed in and out, as documented),
-    # over scaled normals, arbitrary bit patterns (inf, NaN, subnormal) and special pairs
+    # over scaled normals, arbitrary bit patterns (inf, NaN, subnormal) and special pairs; the
+    # integer path (the GPU's) and what the CPU runs
     a, b = _random_divisions()
-    fn = jax.jit(exact_div) if jit else exact_div
+    fn = jax.jit(div) if jit else div
     got = np.asarray(fn(a, b))
     with np.errstate(all="ignore"):
         want = _flushed(_flushed(a) / _flushed(b))
@@ -359,10 +362,11 @@ def test_exact_div_is_ieee_division_bit_for_bit(jit):
     np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
 
 
-def test_exact_div_by_a_constant_is_not_a_reciprocal_multiply():
+@pytest.mark.parametrize("div", [exact_div, integer_div])
+def test_exact_div_by_a_constant_is_not_a_reciprocal_multiply(div):
     # XLA rewrites x / c as x * (1 / c) (one more rounding); 1/6 is inexact
     x = jnp.asarray(np.random.default_rng(2).uniform(0, 448, 4096), jnp.float32)
-    got = np.asarray(jax.jit(lambda x: exact_div(x, 6.0))(x))
+    got = np.asarray(jax.jit(lambda x: div(x, 6.0))(x))
     np.testing.assert_array_equal(got, np.asarray(x) / np.float32(6))
 
 
@@ -413,7 +417,7 @@ def test_gpu_quantize_matches_cpu(fmt, mode):
 def test_gpu_exact_div_matches_the_cpu():
     # XLA's float32 division on the GPU is div.full.f32 (within 2 ulp); exact_div is IEEE's
     a, b = _random_divisions()
-    gpu = np.asarray(jax.jit(exact_div)(a, b))
+    gpu = np.asarray(jax.jit(exact_div)(jax.device_put(a, jax.devices("gpu")[0]), b))
     with np.errstate(all="ignore"):
         want = _flushed(_flushed(a) / _flushed(b))
     np.testing.assert_array_equal(np.isnan(gpu), np.isnan(want))

@@ -99,6 +99,22 @@ def _block_reduce(per_element: jax.Array, block_2d: bool, op) -> jax.Array:
 def exact_div(a: jax.Array, b) -> jax.Array:
     """IEEE float32 ``a / b`` (round to nearest even), the same bits on every backend.
 
+    On the CPU, XLA's division behind an optimization barrier (IEEE there, with subnormals
+    flushed); elsewhere ``integer_div``, which computes the same bits without trusting the
+    backend's division.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+
+    def barrier_div(a, b):
+        a, b = jax.lax.optimization_barrier((a, b))
+        return a / b
+
+    return jax.lax.platform_dependent(a, b, cpu=barrier_div, default=integer_div)
+
+
+def integer_div(a: jax.Array, b) -> jax.Array:
+    """IEEE float32 ``a / b`` (round to nearest even) that does not trust the backend's division.
+
     The formats' reference encoders divide in IEEE float32, and a scale one ulp off changes
     codes. XLA's own ``divide`` is not that everywhere: on the GPU it is ``div.full.f32``
     (within 2 ulp; about 29 % of random quotients differ from IEEE's in the last bit, measured
