@@ -4,8 +4,9 @@ values ``code * block_scale`` and the per-token global scale.
 
 ``x^ = (code * s_b) * s_g``: the matmul multiplies the first factor (6 significant bits, exact
 in bf16) and applies ``s_g`` to its fp32 sums. In XLA the same computation is several kernels
-(each IEEE division of the format's rules sits behind an optimization barrier so that XLA keeps
-it as written); here one program per token does all of it on the token's row:
+(each IEEE division of the format's rules is ``fp4.quantize``'s ``exact_div``, which XLA can
+neither rewrite nor, on the GPU, approximate); here one program per token does all of it on the
+token's row:
 
     s_g  = amax(|x|) / 2688, at least the smallest normal float32; 1 for a zero row, NaN for a
            row with a NaN or infinity

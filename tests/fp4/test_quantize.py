@@ -346,6 +346,16 @@ def _random_divisions(n=1 << 16):
     return a, b
 
 
+def _assert_ieee_quotients(got, a, b):
+    """``got`` is numpy's float32 ``a / b`` bit for bit (subnormals flushed), NaN where it is."""
+    with np.errstate(all="ignore"):
+        want = _flushed(_flushed(a) / _flushed(b))
+    got = np.asarray(got)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("div", [exact_div, integer_div])
 def test_exact_div_is_ieee_division_bit_for_bit(div, jit):
@@ -354,12 +364,7 @@ def test_exact_div_is_ieee_division_bit_for_bit(div, jit):
     # integer path (the GPU's) and what the CPU runs
     a, b = _random_divisions()
     fn = jax.jit(div) if jit else div
-    got = np.asarray(fn(a, b))
-    with np.errstate(all="ignore"):
-        want = _flushed(_flushed(a) / _flushed(b))
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    ok = ~np.isnan(want)
-    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+    _assert_ieee_quotients(fn(a, b), a, b)
 
 
 @pytest.mark.parametrize("div", [exact_div, integer_div])
@@ -417,12 +422,8 @@ def test_gpu_quantize_matches_cpu(fmt, mode):
 def test_gpu_exact_div_matches_the_cpu():
     # XLA's float32 division on the GPU is div.full.f32 (within 2 ulp); exact_div is IEEE's
     a, b = _random_divisions()
-    gpu = np.asarray(jax.jit(exact_div)(jax.device_put(a, jax.devices("gpu")[0]), b))
-    with np.errstate(all="ignore"):
-        want = _flushed(_flushed(a) / _flushed(b))
-    np.testing.assert_array_equal(np.isnan(gpu), np.isnan(want))
-    ok = ~np.isnan(want)
-    np.testing.assert_array_equal(gpu[ok].view(np.uint32), want[ok].view(np.uint32))
+    gpu = jax.jit(exact_div)(jax.device_put(a, jax.devices("gpu")[0]), b)
+    _assert_ieee_quotients(gpu, a, b)
 
 
 @pytest.mark.gpu
