@@ -22,7 +22,12 @@ import sys
 import tempfile
 
 _DUMP = tempfile.mkdtemp(prefix="mosaic_dump_")
-os.environ.update(MOSAIC_GPU_DUMP_TO=_DUMP, MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1")
+os.environ.update(
+    MOSAIC_GPU_DUMP_TO=_DUMP,
+    MOSAIC_GPU_DUMP_SASS="1",
+    MOSAIC_GPU_DUMP_PTXAS="1",
+    MOSAIC_GPU_DUMP_PTX="1",
+)
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
@@ -68,6 +73,9 @@ def summarize(case: str, out_dir: str) -> None:
         with open(path, errors="replace") as f:
             text = f.read()
         name = os.path.basename(path)
+        if name.endswith(".ptx"):  # for ptxas and a disassembler elsewhere
+            with open(os.path.join(out_dir, f"{case}.ptx"), "w") as f:
+                f.write(text)
         if "ptxas" in name or ("Used" in text[:20000] and "registers" in text[:20000]):
             for ln in text.splitlines():
                 if "Used" in ln or "spill" in ln or "smem" in ln:
