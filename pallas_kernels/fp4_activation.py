@@ -77,7 +77,8 @@ def _kernel(x_ref, o_ref, s_ref, *, div):
     s_b = div(div(amax_b, jnp.full_like(amax_b, E2M1_MAX)), jnp.broadcast_to(s_g, amax_b.shape))
     s_b = jnp.clip(s_b, E4M3_MIN_NORMAL, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     recip = div(div(jnp.ones_like(s_b), jnp.broadcast_to(s_g, s_b.shape)), s_b)  # [nb]
-    z = jnp.clip(x * recip[:, None], -E2M1_MAX, E2M1_MAX)
+    # zeros stay signed zeros where recip overflows (fp4.quantize's ``normalise``)
+    z = jnp.clip(jnp.where(x == 0, x, x * recip[:, None]), -E2M1_MAX, E2M1_MAX)
     az = jnp.abs(z)
     v = jnp.zeros_like(az)
     for t, inclusive, step in _RNE_STEPS:

@@ -161,6 +161,31 @@ def test_negative_zero_round_trips_with_its_sign():
         assert np.signbit(np.asarray(fp4.dequantize(qt))[0, 1])
 
 
+def test_zeros_stay_zeros_where_the_reciprocal_overflows():
+    # A row of amax 1e-36 has s_g at its floor (the smallest normal float32) and a zero block
+    # the smallest E4M3 scale: (1 / s_g) / s_b = 2**132 overflows, and 0 * inf must not make a
+    # NaN whose code min/max decide (the Triton activation kernel and XLA disagreed there).
+    x = (
+        jnp.full((1, 48), 1e-36, jnp.float32)
+        .at[0, :16]
+        .set(0.0)
+        .at[0, 3]
+        .set(-0.0)
+        .at[0, 20]
+        .set(-1e-36)
+    )
+    qt = fp4.quantize(x, "nvfp4", axis=-1, global_scale="row")
+    assert float(qt.global_scale.reshape(-1)[0]) == np.finfo(np.float32).tiny
+    s_g = qt.global_scale.reshape(1, 1)
+    z = np.asarray(normalise(x.reshape(1, 3, 16), e4m3_to_float32(qt.block_scales), s_g, qt.fmt))
+    assert not np.isnan(z).any()
+    assert np.array_equal(np.signbit(z[0, 0]), np.arange(16) == 3)
+    codes = np.asarray(fp4.unpacked_codes(qt)).reshape(-1)
+    want = np.where(np.arange(48) < 16, 0, 7)  # 1e-36 / (s_g * s_b) saturates to 6
+    want[3], want[20] = 8, 15
+    np.testing.assert_array_equal(codes, want)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_inputs_propagate_to_their_scale_group(bad):
     x = np.array(jax.random.normal(jax.random.key(5), (4, 64)))

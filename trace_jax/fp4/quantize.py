@@ -241,11 +241,14 @@ def normalise(blocks: jax.Array, scales: jax.Array, s_g: jax.Array, fmt: FormatS
       scales: [..., K/b] float32 block-scale values.
       s_g: float32 global scale, () or [..., 1].
     Returns:
-      [..., K/b, b] float32, not clipped.
+      [..., K/b, b] float32, not clipped. Zeros stay (signed) zeros: the reciprocal overflows
+      to infinity where ``s_g`` is at its floor and a block's scale at E4M3's smallest
+      (``1 / 2**-126 / 2**-6``), and ``0 * inf`` would be NaN, whose code each backend's
+      min/max would decide differently.
     """
     if fmt.has_global_scale:
         reciprocal = exact_div(exact_div(1.0, _expand_rows(s_g, scales)), scales)
-        return blocks * reciprocal[..., None]
+        return jnp.where(blocks == 0, blocks, blocks * reciprocal[..., None])
     return blocks / scales[..., None]
 
 
