@@ -153,6 +153,32 @@ def column_order(d: int, layout: str = "wgmma") -> np.ndarray:
     return (d // 4) * b + 8 * u + i + 4 * v
 
 
+def _column_axes(d: int, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``column_order`` as a transpose: the sizes of D's axes (b, u, v, i) = [4, D/32, 2, 4]
+    (position (D/4) b + 8 u + 4 v + i) and the permutation of them that makes the columns
+    ("wgmma": (u, i, b, v); "vector": (u, b, i, v))."""
+    return (4, d // 32, 2, 4), ((1, 3, 0, 2) if layout == "wgmma" else (1, 0, 3, 2))
+
+
+def to_columns(x: jax.Array, layout: str = "wgmma") -> jax.Array:
+    """``x[..., column_order(D, layout)]`` for x [..., D], as a reshape and transpose (which XLA
+    fuses into its neighbours, where an indexed gather stays an op of its own)."""
+    *lead, d = x.shape
+    sizes, perm = _column_axes(d, layout)
+    k = len(lead)
+    y = x.reshape(*lead, *sizes).transpose(*range(k), *(k + a for a in perm))
+    return y.reshape(*lead, d)
+
+
+def from_columns(x: jax.Array, layout: str = "wgmma") -> jax.Array:
+    """The inverse of ``to_columns``: [..., D] in column order -> D order."""
+    *lead, d = x.shape
+    sizes, perm = _column_axes(d, layout)
+    k = len(lead)
+    y = x.reshape(*lead, *(sizes[a] for a in perm))
+    return y.transpose(*range(k), *(k + a for a in np.argsort(perm))).reshape(*lead, d)
+
+
 # ----------------------------------------------------------------------------- decode
 
 # Code word x (8 nibbles, D positions 8u .. 8u + 7 from the low nibble) and the scale pair $5 ->
@@ -700,8 +726,7 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
     g = hq // hkv
     gp = -(-g // _COLS) * _COLS
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    order = column_order(d)
-    qp = q.astype(jnp.bfloat16).reshape(b, hkv, g, d)[..., order]
+    qp = to_columns(q.astype(jnp.bfloat16).reshape(b, hkv, g, d))
     if gp != g:
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     splits = cfg.num_splits
@@ -740,7 +765,7 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
         extra = [slots.astype(jnp.int32), *rows]
     o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *cache, *extra)
     # o^T rows come in the V tile's column order: back to D order, heads first
-    o = jnp.swapaxes(o_t, -1, -2)[..., np.argsort(column_order(d, "vector"))]
-    (out,) = _combine([o[..., :g, :]], m[..., :g], l[..., :g])
+    o = from_columns(jnp.swapaxes(o_t[..., :g], -1, -2), "vector")
+    (out,) = _combine([o], m[..., :g], l[..., :g])
     out = out.reshape(b, hq, d).astype(jnp.bfloat16)
     return out, ([jax.freeze(r) for r in cache] if append is not None else None)

@@ -123,6 +123,15 @@ def test_column_order_is_a_permutation_of_whole_scale_blocks(layout):
             assert sorted(order[cols]) == list(range(d // 4 * b, d // 4 * (b + 1)))
 
 
+@pytest.mark.parametrize("layout", ["wgmma", "vector"])
+def test_column_transposes_are_the_column_order(layout):
+    for d in (64, 128, 256):
+        x = jnp.arange(3 * d, dtype=jnp.int32).reshape(3, 1, d)
+        cols = fm.to_columns(x, layout)
+        np.testing.assert_array_equal(cols, np.asarray(x)[..., fm.column_order(d, layout)])
+        np.testing.assert_array_equal(fm.from_columns(cols, layout), x)
+
+
 # ----------------------------------------------------------------------------- the PTX decode
 
 _BF16 = ml_dtypes.bfloat16
