@@ -385,8 +385,8 @@ def _decode_portable(codes_ref, scales_ref, d: int, fmt: str, layout: str = "wgm
 
 
 def _load_column(ref):
-    """A [64, 1] float32 shared-memory column -> [64] in the layout of s^T's rows (each thread
-    loads its two rows)."""
+    """A [64, 1] float32 column (shared or global memory) -> [64] in the layout of s^T's rows
+    (each thread loads its two rows)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -416,19 +416,19 @@ def _load_column(ref):
     return load(ref)
 
 
-def _copy_row(src, dst_smem, dst_gmem, portable: bool):
-    """Copy a short [n] row (n <= 128) from global memory into shared and global memory: one
-    element per thread of the warpgroup."""
+def _copy_row(src, dsts, portable: bool):
+    """Copy a short [n] row (n <= 128) from global memory into each of ``dsts`` (shared or
+    global memory): one element per thread of the warpgroup."""
     if portable:
-        dst_smem[...] = src[...]
-        dst_gmem[...] = src[...]
+        for dst in dsts:
+            dst[...] = src[...]
         return
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, scf
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
-    def copy(_, src_ref, smem_ref, gmem_ref):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (1 + len(dsts)))
+    def copy(_, src_ref, *dst_refs):
         i32 = ir.IntegerType.get_signless(32)
         t = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
         n = ir.MemRefType(src_ref.type).shape[0]
@@ -437,11 +437,11 @@ def _copy_row(src, dst_smem, dst_gmem, portable: bool):
         with ir.InsertionPoint(branch.then_block):
             i = arith.index_cast(ir.IndexType.get(), t)
             value = memref.load(src_ref, [i])
-            memref.store(value, smem_ref, [i])
-            memref.store(value, gmem_ref, [i])
+            for dst_ref in dst_refs:
+                memref.store(value, dst_ref, [i])
             scf.yield_([])
 
-    copy(src, dst_smem, dst_gmem)
+    copy(src, *dsts)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -470,9 +470,10 @@ def _kernel(
     token's slot [B] int32 (-1: none) and its stored K and V rows (codes [B, Hkv, D/8], scales
     [B, Hkv * X], global scales [B, Hkv]), and the six cache operands are mutable: the program
     whose tile holds the new slot writes the rows into its shared-memory copy of the tile
-    (before the decode reads it) and into the cache."""
+    (before the decode reads it), its global scales into the step's registers, and all of them
+    into the cache."""
     h = lax.axis_index("h")
-    hkv = kc_gmem.shape[2]
+    s_len, hkv = kc_gmem.shape[1], kc_gmem.shape[2]
     split = lax.axis_index("s")
     b = lax.axis_index("b")
     if fused:
@@ -490,52 +491,64 @@ def _kernel(
     portable = cfg.decode == "portable"
     decode = functools.partial(_decode_portable if portable else _decode_asm, d=d, fmt=fmt)
     logit_scale = np.float32(sm_scale * _LOG2E)  # softmax in base 2
+    # block scales: a TMA row is 16 bytes, so a tile holds the scales of ``group`` KV heads
+    width = ks_gmem.shape[-1] // hkv  # one head's scale elements per slot
+    group = max(1, 16 // (width * ks_gmem.dtype.itemsize))
+    box = group * width
 
     def head_scales(ref):
-        """This KV head's block scales in a [64, Hkv * X] tile."""
-        width = ref.shape[-1] // hkv
-        return ref.at[:, pl.ds(h * width, width)]
+        """This KV head's block scales in a [64, group * X] tile."""
+        return ref.at[:, pl.ds(lax.rem(h, group) * width, width)]
 
     def with_factor(row, factor):
         return row * (np.float32(2.0 ** (126 - _OFFSET)) if factor is None else factor)
 
+    def tile_start(t):
+        return lo_aligned + (first + t) * _BK
+
+    def global_scales(t):
+        """Step t's K and V global scales of this head, [64] float32 each in the layout of s^T's
+        rows, loaded from global memory by each thread for its rows (a step ahead of their use:
+        no shared memory, no copy to wait for); rows clamped into the cache past the last
+        step."""
+        start = jnp.clip(tile_start(t), 0, s_len - _BK)
+        rows = [ref.at[b, pl.ds(start, _BK), pl.ds(h, 1)] for ref in (kg_gmem, vg_gmem)]
+        if portable:
+            return tuple(r[...][:, 0] for r in rows)
+        return tuple(_load_column(r) for r in rows)
+
     def put_new_row(start, tiles, slot, rows, cache):
         """The new token's stored row, where this step's tile holds its slot: into the tile's
-        three buffers (codes, this head's scales, this head's global scale) and the cache."""
+        two buffers (codes, this head's scales) and the cache (codes, scales, global scale)."""
         new = new_slot
         r = new - start
 
         @pl.when((new >= 0) & (r >= 0) & (r < _BK))
         def _():
-            c_buf, s_buf, g_buf = tiles
+            c_buf, s_buf = tiles
             c_row, s_row, g_row = rows
             c_gmem, s_gmem, g_gmem = cache
-            w = s_row.shape[-1] // hkv
-            one = lambda ref: ref.at[pl.ds(h, 1)]  # noqa: E731
-            for src, dst_smem, dst_gmem in (
-                (c_row.at[b, h], c_buf.at[slot, r], c_gmem.at[b, new, h]),
-                (
-                    s_row.at[b, pl.ds(h * w, w)],
-                    s_buf.at[slot, r, pl.ds(h * w, w)],
-                    s_gmem.at[b, new, pl.ds(h * w, w)],
-                ),
-                (one(g_row.at[b]), one(g_buf.at[slot, r]), one(g_gmem.at[b, new])),
+            at_head = pl.ds(h * width, width)
+            in_tile = pl.ds(lax.rem(h, group) * width, width)
+            for src, dsts in (
+                (c_row.at[b, h], (c_buf.at[slot, r], c_gmem.at[b, new, h])),
+                (s_row.at[b, at_head], (s_buf.at[slot, r, in_tile], s_gmem.at[b, new, at_head])),
+                (g_row.at[b, pl.ds(h, 1)], (g_gmem.at[b, new, pl.ds(h, 1)],)),
             ):
-                _copy_row(src, dst_smem, dst_gmem, portable)
+                _copy_row(src, dsts, portable)
             plgpu.commit_smem()  # the decode's threads read what others wrote
 
-    def body(q_smem, kc, ks, kg, vc, vs, vg, vdec, p_smem, kbar, vbar, qbar, kdec=None):
+    def body(q_smem, kc, ks, vc, vs, vdec, p_smem, kbar, vbar, qbar, kdec=None):
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, qbar.at[0])
 
         def issue(t, slot):
-            rows = pl.ds(lo_aligned + (first + t) * _BK, _BK)
+            rows = pl.ds(tile_start(t), _BK)
+            cols = pl.ds(lax.div(h, group) * box, box)
             for src, dst, bar in (
                 (kc_gmem.at[b, rows, h], kc, kbar),
-                (ks_gmem.at[b, rows], ks, kbar),
-                (kg_gmem.at[b, rows], kg, kbar),
+                (ks_gmem.at[b, rows, cols], ks, kbar),
                 (vc_gmem.at[b, rows, h], vc, vbar),
-                (vs_gmem.at[b, rows], vs, vbar),
-                (vg_gmem.at[b, rows], vg, vbar),
+                (vs_gmem.at[b, rows, cols], vs, vbar),
             ):
                 plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
@@ -543,27 +556,27 @@ def _kernel(
             pl.when(s < n_steps)(functools.partial(issue, s, s))
         plgpu.barrier_wait(qbar.at[0])
 
-        def row_vector(ref):
-            """Column ``h`` of a [64, Hkv] float32 tile as a [64] row vector of s^T."""
-            col = ref.at[:, pl.ds(h, 1)]
-            return _load_column(col) if not portable else col[...][:, 0]
-
         def step(t, carry):
-            o, m, lsum = carry
+            o, m, lsum, (k_glob, v_glob) = carry
+            next_glob = global_scales(jnp.minimum(t + 1, n_steps - 1))
             slot = lax.rem(t, cfg.stages)
-            start = lo_aligned + (first + t) * _BK
+            start = tile_start(t)
+            if fused:  # the new slot's global scales: read before they were written
+                row_pos = start + plgpu.broadcasted_iota(
+                    jnp.int32, (_BK,), 0, layout=plgpu.Layout.WGMMA.reduce(1)
+                )
+                k_glob = jnp.where(row_pos == new_slot, new_rows[2][b, h], k_glob)
+                v_glob = jnp.where(row_pos == new_slot, new_rows[5][b, h], v_glob)
             plgpu.barrier_wait(kbar.at[slot])
             if fused:
-                put_new_row(start, (kc, ks, kg), slot, new_rows[:3], (kc_gmem, ks_gmem, kg_gmem))
+                put_new_row(start, (kc, ks), slot, new_rows[:3], (kc_gmem, ks_gmem, kg_gmem))
             a, k_factor = decode(kc.at[slot], head_scales(ks.at[slot]))
 
             def decode_v():
                 """The V tile into shared memory; returns its rows' factors."""
                 plgpu.barrier_wait(vbar.at[slot])
                 if fused:
-                    put_new_row(
-                        start, (vc, vs, vg), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem)
-                    )
+                    put_new_row(start, (vc, vs), slot, new_rows[3:], (vc_gmem, vs_gmem, vg_gmem))
                 v_tile, v_factor = decode(vc.at[slot], head_scales(vs.at[slot]), layout="vector")
                 vdec[...] = v_tile
                 return v_factor
@@ -579,9 +592,10 @@ def _kernel(
                 return acc_ref[...], v_factor
 
             st, v_factor = pl.run_scoped(scores, plgpu.ACC((_BK, gp), jnp.float32))
-            kg_row = with_factor(row_vector(kg.at[slot]), k_factor) * logit_scale
-            s = st * lax.broadcast_in_dim(kg_row, st.shape, [0])
             pos = start + plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA)
+            s = st * lax.broadcast_in_dim(
+                with_factor(k_glob, k_factor) * logit_scale, st.shape, [0]
+            )
             valid = (pos >= lo) & (pos < hi)
             s = jnp.where(valid, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=0))
@@ -590,8 +604,9 @@ def _kernel(
             lsum = lsum * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
             if not cfg.overlap_v:
                 v_factor = decode_v()
-            vg_row = with_factor(row_vector(vg.at[slot]), v_factor)
-            pv = jnp.where(valid, p * lax.broadcast_in_dim(vg_row, s.shape, [0]), 0.0)
+            v_row = with_factor(v_glob, v_factor)
+            pv = p * lax.broadcast_in_dim(v_row, s.shape, [0])
+            pv = jnp.where(valid, pv, 0.0)
             p_hi = pv.astype(jnp.bfloat16)
             p_smem.at[0].T[...] = p_hi
             if cfg.p_parts == 2:
@@ -609,29 +624,29 @@ def _kernel(
 
             pv_sum = pl.run_scoped(pv_mma, plgpu.ACC((d, gp), jnp.float32))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [1]) + pv_sum
-            return o, m_new, lsum
+            return o, m_new, lsum, next_glob
 
         wgmma = plgpu.Layout.WGMMA
         init = (
             plgpu.layout_cast(jnp.zeros((d, gp), jnp.float32), wgmma),
             plgpu.layout_cast(jnp.full((gp,), _NEG_INIT, jnp.float32), wgmma.reduce(0)),
             plgpu.layout_cast(jnp.zeros((_BK, gp), jnp.float32), wgmma),
+            global_scales(0),
         )
-        return lax.fori_loop(0, n_steps, step, init)
+        o, m, lsum, _ = lax.fori_loop(0, n_steps, step, init)
+        return o, m, lsum
 
-    scale_cols, scale_dtype = ks_gmem.shape[2], ks_gmem.dtype
+    scale_dtype = ks_gmem.dtype
     scratch = [
         plgpu.SMEM((gp, d), jnp.bfloat16, transforms=_SWIZZLE),  # q
         plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),  # K code words
-        plgpu.SMEM((cfg.stages, _BK, scale_cols), scale_dtype),  # K block scales, all heads
-        plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),  # K global scales, all heads
+        plgpu.SMEM((cfg.stages, _BK, box), scale_dtype),  # K block scales of `group` heads
         plgpu.SMEM((cfg.stages, _BK, d // 8), jnp.uint32),
-        plgpu.SMEM((cfg.stages, _BK, scale_cols), scale_dtype),
-        plgpu.SMEM((cfg.stages, _BK, hkv), jnp.float32),
+        plgpu.SMEM((cfg.stages, _BK, box), scale_dtype),
         plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE),  # decoded V
         plgpu.SMEM((cfg.p_parts, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose
-        plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
-        plgpu.Barrier(num_arrivals=3, num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     ]
     if portable:
