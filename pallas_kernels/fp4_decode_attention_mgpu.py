@@ -70,7 +70,6 @@ _BK = 64  # slots per step: the wgmma M side of the scores
 _COLS = 8  # query heads are padded to a multiple of 8 (the wgmma N side)
 _OFFSET = 100  # as fp4_matmul: code * scale * 2**(100 - 126) is a normal bf16 for every code
 _LOG2E = 1.4426950408889634
-_LAZY_LOG2 = 8.0  # lazy_rescale: p stays <= 2**8
 _NEG_INIT = -1e30  # running max before any valid slot (finite: exp2(-inf - -inf) would be NaN)
 _SWIZZLE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -93,10 +92,6 @@ class MgpuAttentionConfig:
         per step, which is all its memory order needs: each step's reads of a slot's buffers
         and its stores of the V tile and p all come before that barrier, the copies refilling
         the slot after it, and a store overwrites only what an already awaited multiply read.
-      lazy_rescale: keep the softmax's running max (the exponent base of p, o and the sums)
-        until a score passes it by 8 (base 2: p <= 256): most steps then skip the
-        column max across the warps (two barriers) and the rescaling, for one vote (one
-        barrier); exact up to rounding (p is taken against another base).
       decode: "asm" (PTX, GPU only) or "portable" (jnp; used automatically in interpret mode).
     """
 
@@ -105,7 +100,6 @@ class MgpuAttentionConfig:
     p_parts: int = 2
     overlap_v: bool = False
     auto_barriers: bool = True
-    lazy_rescale: bool = False
     decode: Decode = "asm"
 
     def __post_init__(self):
@@ -450,59 +444,6 @@ def _copy_row(src, dsts, portable: bool):
     copy(src, *dsts)
 
 
-def _any_positive(x, flags, t, portable: bool):
-    """Whether any element of x [64, gp] float32 (WGMMA layout) is > 0, across the warpgroup,
-    with one barrier: a thread holding one sets ``flags[t % 3]`` (shared [3] int32), all wait,
-    all read it; then ``flags[(t + 2) % 3]`` is cleared for step t + 2 (a thread clears it
-    after barrier t and sets it at step t + 2 only after barrier t + 1, which every thread
-    reaches after its clear; the flag read at step t is set again no earlier than t + 3)."""
-    if portable:
-        return jnp.any(x > 0)
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
-    def vote(_, x, now_ref, clear_ref):
-        i32 = ir.IntegerType.get_signless(32)
-        zero = arith.constant(ir.F32Type.get(), 0.0)
-        hit = None
-        for reg in x.registers.flat:
-            for i in range(ir.VectorType(reg.type).shape[0]):
-                e = vector.extract(reg, dynamic_position=[], static_position=[i])
-                gt = arith.cmpf(arith.CmpFPredicate.OGT, e, zero)
-                hit = gt if hit is None else arith.ori(hit, gt)
-        branch = scf.IfOp(hit)
-        with ir.InsertionPoint(branch.then_block):
-            memref.store(arith.constant(i32, 1), now_ref, [])
-            scf.yield_([])
-        mgpu_utils.warpgroup_barrier()
-        memref.store(arith.constant(i32, 0), clear_ref, [])
-
-    vote(x, flags.at[lax.rem(t, 3)], flags.at[lax.rem(t + 2, 3)])
-    return flags[lax.rem(t, 3)] != 0
-
-
-def _clear_flags(flags, portable: bool):
-    """Zero the [3] int32 flags of ``_any_positive`` before the loop (and wait for it)."""
-    if portable:
-        return
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def clear(_, ref):
-        index = ir.IndexType.get()
-        for i in range(ir.MemRefType(ref.type).shape[0]):
-            memref.store(
-                arith.constant(ir.IntegerType.get_signless(32), 0), ref, [arith.constant(index, i)]
-            )
-        mgpu_utils.warpgroup_barrier()
-
-    clear(flags)
-
-
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -597,10 +538,8 @@ def _kernel(
                 _copy_row(src, dsts, portable)
             plgpu.commit_smem()  # the decode's threads read what others wrote
 
-    def body(q_smem, kc, ks, vc, vs, vdec, p_smem, flags, kbar, vbar, qbar, kdec=None):
+    def body(q_smem, kc, ks, vc, vs, vdec, p_smem, kbar, vbar, qbar, kdec=None):
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, qbar.at[0])
-        if cfg.lazy_rescale:
-            _clear_flags(flags, portable)
 
         def issue(t, slot):
             rows = pl.ds(tile_start(t), _BK)
@@ -660,23 +599,11 @@ def _kernel(
             valid = (pos >= lo) & (pos < hi)
             s = jnp.where(valid, s, -jnp.inf)
 
-            def rescale(state):
-                """The running max raised to the column max, o and the sums scaled to it."""
-                m, o, lsum = state
-                m_new = jnp.maximum(m, s.max(axis=0))
-                alpha = jnp.exp2(m - m_new)
-                return (
-                    m_new,
-                    o * lax.broadcast_in_dim(alpha, o.shape, [1]),
-                    lsum * lax.broadcast_in_dim(alpha, lsum.shape, [1]),
-                )
-
-            if cfg.lazy_rescale:  # only when a score passes the running max by LAZY_LOG2
-                over = s - lax.broadcast_in_dim(m + _LAZY_LOG2, s.shape, [1])
-                raised = _any_positive(over, flags, t, portable)
-                m, o, lsum = lax.cond(raised, rescale, lambda state: state, (m, o, lsum))
-            else:
-                m, o, lsum = rescale((m, o, lsum))
+            m_new = jnp.maximum(m, s.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            m = m_new
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [1])
+            lsum = lsum * lax.broadcast_in_dim(alpha, lsum.shape, [1])
             p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [1]))
             lsum = lsum + p
             if not cfg.overlap_v:
@@ -725,7 +652,6 @@ def _kernel(
         plgpu.SMEM((cfg.stages, _BK, box), scale_dtype),
         plgpu.SMEM((_BK, d), jnp.bfloat16, transforms=_SWIZZLE),  # decoded V
         plgpu.SMEM((cfg.p_parts, gp, _BK), jnp.bfloat16, transforms=_SWIZZLE),  # p^T's transpose
-        plgpu.SMEM((3,), jnp.int32),  # lazy_rescale's flags
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),

@@ -272,10 +272,10 @@ def test_gpu_window_and_small_tiles(fmt):
         if fmt in ("nvfp4", "mxfp4"):  # the tensor-core kernel, default and other tilings
             y = fa.decode_attention(q, kp, vp, lengths, window=window, tensor_cores=True)
             kc.assert_attn_close(y, ref)
-            lazy = dict(lazy_rescale=True, auto_barriers=False, p_parts=1)
+            fast = dict(auto_barriers=False, num_splits=4, p_parts=1)
             for cfg in (
                 tc.MgpuAttentionConfig(num_splits=3, stages=3),
-                tc.MgpuAttentionConfig(**lazy),
+                tc.MgpuAttentionConfig(**fast),
             ):
                 y = tc.decode_attention_mgpu(q, kp, vp, lengths, window=window, config=cfg)
                 kc.assert_attn_close(y, ref)
