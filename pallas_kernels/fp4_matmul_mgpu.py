@@ -403,12 +403,26 @@ def _decode_portable(words_ref, scales_ref, scale_format):
 
 
 def _stream(
-    x_rows, w_tiles, s_tiles, out, *, cfg, steps, k0, mpad, scale_format, scale=None, rows=None
+    x_rows,
+    w_tiles,
+    s_tiles,
+    out,
+    *,
+    cfg,
+    steps,
+    k0,
+    mpad,
+    scale_format,
+    scale=None,
+    token_scale=None,
+    rows=None,
 ):
     """``cfg.warpgroups`` 64-row output tiles: ``out`` [W * 64, mpad] (gmem) =
     W^T[tiles, K range] @ x^T, warpgroup ``wg`` computing rows [64 wg, 64 wg + 64): float32
     sums, or with ``scale`` ([W * 64] float32 gmem, one factor per output row) the sums times
-    their row's factor rounded once to ``out``'s dtype (bf16). With ``rows`` = (first, count,
+    their row's factor rounded once to ``out``'s dtype (bf16); ``token_scale`` ([mpad] float32
+    gmem, W4A4's per-token global scales) multiplies that product by its token's factor before
+    the rounding. With ``rows`` = (first, count,
     at), ``out`` is [T, W * 64] instead (gmem, token-major) and only the ``count`` tokens from
     window position ``first`` are written, transposed, to its rows ``at``, ``at + 1``, ...
 
@@ -530,12 +544,18 @@ def _stream(
             collective_axes=collective,
         )
     if scale is not None:
-        row_scale = plgpu.load(
+        out_scale = plgpu.load(
             scale.at[pl.ds(tile * _TILE_N, _TILE_N)],
             layout=plgpu.Layout.WGMMA.reduce(1),
             optimized=False,  # 64 floats straight from global memory, once per program
         )
-        acc = (acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])).astype(out.dtype)
+        acc = acc * lax.broadcast_in_dim(out_scale, acc.shape, [0])
+        if token_scale is not None:
+            col_scale = plgpu.load(
+                token_scale, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False
+            )
+            acc = acc * lax.broadcast_in_dim(col_scale, acc.shape, [1])
+        acc = acc.astype(out.dtype)
 
     if rows is not None:  # token-major: each valid token's 64 outputs are one TMA row
         first, count, at = rows
@@ -571,7 +591,9 @@ def _stream(
 
 
 def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt, tokens):
-    *scale_gmem, o_gmem = refs  # the output scale [N] float32 when the output is scaled bf16
+    # the output scale [N] float32 when the output is scaled bf16, then the per-token scales
+    # [mpad] float32 where given
+    *scale_gmem, o_gmem = refs
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")  # 0 when the warpgroups split K
     rows = cfg.warpgroups * _TILE_N
@@ -590,6 +612,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt, tokens):
         mpad=mpad,
         scale_format=fmt,
         scale=scale_gmem[0].at[pl.ds(tn * rows, rows)] if scale_gmem else None,
+        token_scale=scale_gmem[1] if len(scale_gmem) > 1 else None,
         rows=token_rows,
     )
 
@@ -662,19 +685,25 @@ def dense_partials(
     cfg: MgpuMatmulConfig,
     *,
     scaled: bool = False,
+    token_scale: jax.Array | None = None,
     tokens: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The kernel alone: xp [mpad, K] bf16 (mpad a multiple of 8), W [K, N] prepacked ->
     [P, N, mpad] float32 partial sums of ``W^T xp^T`` before the output scale (P = ``split_k``
     programs, or 1 when the warpgroups split K), or with ``scaled`` (no split across programs)
-    [1, N, mpad] bf16: the sums times ``w.out_scale``, rounded once; with ``tokens`` too, y
+    [1, N, mpad] bf16: the sums times ``w.out_scale`` (then times ``token_scale`` [mpad]
+    float32, one factor per row of xp, where given), rounded once; with ``tokens`` too, y
     [tokens, N] bf16 of the first ``tokens`` rows, written token-major by the kernel (each
     token's 64 outputs of a tile one TMA row: no transpose or slice after it)."""
     (mpad, k), n = xp.shape, w.shape[1]
     parts = 1 if cfg.split_in == "warpgroups" else cfg.split_k  # along the grid
     if scaled and parts != 1:
         raise ValueError(f"dense_partials: a scaled bf16 output needs one part per tile: {cfg}")
+    if token_scale is not None and not (scaled and token_scale.shape == (mpad,)):
+        raise ValueError(
+            f"dense_partials: token_scale {token_scale.shape} needs scaled and shape ({mpad},)"
+        )
     if tokens is not None and not (scaled and 0 < tokens <= mpad):
         raise ValueError(f"dense_partials: tokens={tokens} needs scaled and 0 < tokens <= {mpad}")
     steps = k // (cfg.block_k * cfg.split_k)
@@ -693,7 +722,8 @@ def dense_partials(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
     )
-    return kernel(xp, w.words, w.scales, *([w.out_scale] if scaled else []))
+    scales = ([w.out_scale] if scaled else []) + ([token_scale] if token_scale is not None else [])
+    return kernel(xp, w.words, w.scales, *scales)
 
 
 def fp4_matmul_mgpu(
@@ -707,7 +737,8 @@ def fp4_matmul_mgpu(
     """``x @ dequantize(W)``: x [M, K] bf16, W prepacked FP4 [K, N] -> [M, N] bf16.
 
     ``row_scale`` [M] float32 (W4A4: the activation's per-token global scale) multiplies each
-    row's fp32 sum before the one rounding to bf16.
+    row's fp32 sum (after the weight's output scale) before the one rounding to bf16: in the
+    kernel where it rounds its own output (no K split across programs), else in XLA.
 
     fp32 accumulation; M is padded to a multiple of 8 (the matrix unit's narrow side).
     """
@@ -719,6 +750,8 @@ def fp4_matmul_mgpu(
     m = x.shape[0]
     if m > 256:
         raise ValueError(f"fp4_matmul_mgpu: at most 256 rows, got M={m}")
+    if row_scale is not None and row_scale.shape != (m,):
+        raise ValueError(f"fp4_matmul_mgpu: row_scale must be [{m}], got {row_scale.shape}")
     cfg = cfg or default_config(m, k, n)
     if interpret and cfg.decode == "asm":
         cfg = dataclasses.replace(cfg, decode="portable")
@@ -730,9 +763,13 @@ def fp4_matmul_mgpu(
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
     if n % (_TILE_N * cfg.warpgroups):
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
-    if (cfg.split_k == 1 or cfg.split_in == "warpgroups") and row_scale is None:
-        # scaled and rounded in the kernel
-        return dense_partials(xp, w, cfg, scaled=True, tokens=m, interpret=interpret)
+    if cfg.split_k == 1 or cfg.split_in == "warpgroups":  # scaled and rounded in the kernel
+        ts = None
+        if row_scale is not None:
+            ts = jnp.pad(row_scale.astype(jnp.float32), (0, mpad - m), constant_values=1.0)
+        return dense_partials(
+            xp, w, cfg, scaled=True, token_scale=ts, tokens=m, interpret=interpret
+        )
     part = dense_partials(xp, w, cfg, interpret=interpret)
     y = part.sum(axis=0)[:, :m] * w.out_scale[:, None]
     if row_scale is not None:

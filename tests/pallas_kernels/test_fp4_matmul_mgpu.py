@@ -108,6 +108,31 @@ def test_w4a4_through_fp4_matmul_w4a4():
         fm.fp4_matmul_w4a4(x, fm.prepack(qt), config=cfg, activation_dequant="kernel")
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        fmm.MgpuMatmulConfig(block_k=64, stages=2),
+        fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2),
+        fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups"),
+    ],
+)
+def test_token_scale_in_the_kernel_equals_scaling_the_sums(cfg):
+    # W4A4's per-token scale applied by the kernel before it rounds its output: bit for bit
+    # the kernel's fp32 sums times the output scale, then the token scale, rounded once
+    k, n, m = 256, 128, 5
+    w = fmm.prepack_mgpu(_weights(k, n, seed=21))
+    x = random_x(m, k, seed=22)
+    r = jnp.asarray([1.0, 3.0e-3, 250.0, 0.5, 7.0], jnp.float32)
+    y = fmm.fp4_matmul_mgpu(x, w, cfg, row_scale=r, interpret=True)
+    cfg = dataclasses.replace(cfg, decode="portable")
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
+    sums = fmm.dense_partials(xp, w, cfg, interpret=True)[0, :, :m]
+    expected = (sums * w.out_scale[:, None] * r[None, :]).T.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
+    with pytest.raises(ValueError, match="row_scale"):
+        fmm.fp4_matmul_mgpu(x, w, cfg, row_scale=r[:3], interpret=True)
+
+
 def test_per_row_global_scale():
     k, n = 128, 64
     qt = _weights(k, n, seed=3, global_scale="row")
@@ -367,6 +392,7 @@ def test_oversized_config_is_refused():
         (1, fmm.MgpuMatmulConfig(block_k=256, stages=3, split_k=2, decode="none")),
         (1, fmm.MgpuMatmulConfig(block_k=128, stages=3, split_k=2, split_in="warpgroups")),
         (16, fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")),
+        ("w4a4", fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         ("grouped", None),
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
     ],
@@ -381,6 +407,10 @@ def test_lowers_for_cuda(m, cfg):
         x, sizes = jnp.zeros((24, k), jnp.bfloat16), jnp.array([3, 0, 12, 9], jnp.int32)
         fn = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g, cfg)  # noqa: E731
         args = (x, w, sizes)
+    elif m == "w4a4":  # the per-token scale applied in the kernel
+        w = fmm.prepack_mgpu(_weights(k, n, seed=2))
+        fn = lambda x, w, r: fmm.fp4_matmul_mgpu(x, w, cfg, row_scale=r)  # noqa: E731
+        args = (jnp.zeros((40, k), jnp.bfloat16), w, jnp.ones((40,), jnp.float32))
     else:
         w = fmm.prepack_mgpu(_weights(k, n, seed=2))
         fn = lambda x, w: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
