@@ -1,6 +1,7 @@
 """Check and time the FP4 matmul kernels against the best BF16 path on the same GPU, in one run.
 
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py            # the performance table
+    PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --parts grouped  # some of its parts
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --sweep    # tiling sweep, dense M=16
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv     # M=1: one-token kernel sweep
     PYTHONPATH=. python3 experiments/bench/fp4_matmul.py --gemv --quick  # same, three tilings
@@ -42,6 +43,7 @@ HBM_BYTES_PER_S = 4.8e12
 SETS = 4  # distinct weight copies per timed program (each > L2 or rotated past it)
 CALLS = 8  # op calls per timed program
 DENSE_SHAPES = ((8192, 28672), (4096, 14336))  # (K, N)
+TABLE_PARTS = ("dense", "w4a4", "grouped")
 REL_TOL = 8e-3  # bf16 output rounding is ~2e-3 relative per element
 
 
@@ -193,8 +195,10 @@ def _bytes_only(c, s, offset, fmt):
 fm.DEQUANT_TILE["bytes_only"] = _bytes_only
 
 
-def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
+def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label="", linear=False):
     """Check then time one FP4 kernel configuration; returns seconds or NaN on failure.
+    ``linear``: through ``fp4_linear``, the dispatcher (its default route for M; W4A4 when
+    ``w4a4``) instead of the kernel's entry point.
 
     The diagnostic "bytes_only" decode is timed without the check (its values are wrong).
     """
@@ -211,6 +215,8 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label=""):
     else:
         fn = lambda x, w: fm.fp4_matmul(x, w, config=config)  # noqa: E731
         ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
+    if linear:
+        fn = lambda x, w: fm.fp4_linear(x, w, w4a4=bool(w4a4))  # noqa: E731
     try:
         y = fn(xs[0], case.packed[0])
         if (
@@ -583,52 +589,37 @@ def gemv(log, variants=GEMV_VARIANTS):
     return rows
 
 
-def table(log, configs=None):
-    """All rows of the performance table. ``configs``: {(K, M): config}, else the defaults."""
-    configs = configs or {}
+def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
+    """The performance table of the kernels' targets, every row through the default route a
+    user gets (each FP4 row checked against its reference first):
+
+    * "dense": ``fp4_linear`` (the dispatcher) on a ``prepack``ed NVFP4 and MXFP4 weight, M = 1,
+      16, 64, 256, against the best BF16 path (XLA in both weight layouts, the BF16 variant of
+      the kernel);
+    * "w4a4": ``fp4_linear(w4a4=True)`` (NVFP4, M <= 64), with the W4A16 time of the same run;
+    * "grouped": ``fp4_grouped_linear`` on ``prepack_grouped`` experts (E=128, top-8; 16, 64
+      and 256 tokens) against XLA's ``ragged_dot`` and JAX's Mosaic GPU ``ragged_dot`` on the
+      BF16 weights.
+    """
     rows = []
-    for fmt in ("nvfp4", "mxfp4"):
-        for k, n in DENSE_SHAPES:
+    fmts = ("nvfp4", "mxfp4") if "dense" in parts else ("nvfp4",) if "w4a4" in parts else ()
+    for fmt in fmts:
+        for k, n in shapes:
             case = make_dense(k, n, fmt, SETS, seed=1 if fmt == "nvfp4" else 2)
-            for m in (1, 16, 64, 256):
+            for m in (1, 16, 64, 256) if "dense" in parts else (1, 16, 64):
                 if (k, m) not in t_bf16_cache:  # one BF16 measurement per shape, both formats
                     t_bf16_cache[(k, m)] = best_bf16(case, m, log, seed=5)[0]
-                t_bf16 = t_bf16_cache[(k, m)]
-                if m == 256:
-                    t = run_dispatch(case, m, log, seed=9)
-                    rows.append(
-                        (
-                            f"dense {fmt} dispatch (auto)",
-                            k,
-                            n,
-                            m,
-                            t,
-                            t_bf16,
-                            fp4_bytes(m, k, n, fmt),
-                        )
-                    )
-                    if fmt == "nvfp4":
-                        rows += large_m_paths(case, log, (256, 1024) if k == 8192 else (256,))
-                    continue
-                cfg = configs.get((k, m))
-                t = run_fp4(case, m, log, seed=9, config=cfg, label="table")
-                rows.append((f"dense W4A16 {fmt}", k, n, m, t, t_bf16, fp4_bytes(m, k, n, fmt)))
-                if fmt == "nvfp4":
-                    for mode in ("before", "kernel"):
-                        t4 = run_fp4(case, m, log, seed=9, config=cfg, w4a4=mode, label="table")
-                        rows.append(
-                            (
-                                f"dense W4A4 {fmt}, act. dequant {mode} (W4A16 {t * 1e6:.1f} us)",
-                                k,
-                                n,
-                                m,
-                                t4,
-                                t_bf16,
-                                fp4_bytes(m, k, n, fmt, w4a4=True),
-                            )
-                        )
+                tb = t_bf16_cache[(k, m)]
+                t16 = run_fp4(case, m, log, seed=9, label="table", linear=True)
+                if "dense" in parts:
+                    rows.append((f"dense W4A16 {fmt}", k, n, m, t16, tb, fp4_bytes(m, k, n, fmt)))
+                if fmt == "nvfp4" and "w4a4" in parts and m <= 64:
+                    t4 = run_fp4(case, m, log, seed=9, w4a4="before", label="table", linear=True)
+                    name = f"dense W4A4 nvfp4 ({100 * (t4 / t16 - 1):+.0f} % vs W4A16)"
+                    rows.append((name, k, n, m, t4, tb, fp4_bytes(m, k, n, fmt, w4a4=True)))
             del case
-    rows += grouped_rows(log, (None,), (None,))
+    if "grouped" in parts:
+        rows += grouped_rows(log, linear=True)
     print_table(rows)
     return rows
 
@@ -644,9 +635,42 @@ def route(tokens, seed):
     return jnp.asarray(np.bincount(picks.ravel(), minlength=EXPERTS), jnp.int32)
 
 
-def grouped_rows(log, configs=(None,), mgpu_configs=()):
+# JAX's BF16 Mosaic GPU ragged_dot (block_m, block_n, block_k, max_concurrent_steps,
+# grid_block_n): a baseline of the grouped rows
+JAX_RAGGED_CONFIGS = ((64, 128, 64, 4, 1), (64, 128, 128, 4, 1))
+
+
+def jax_ragged_dot_mgpu(xs, wb, gss, log, label):
+    """Seconds per call of JAX's own BF16 grouped matmul (``ragged_dot_mgpu``, Hopper), the
+    fastest of ``JAX_RAGGED_CONFIGS`` that passes its check against XLA's; inf if none runs."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    ref = jax.lax.ragged_dot(xs[0], wb[0], gss[0], preferred_element_type=jnp.float32)
+    best = float("inf")
+    for bm, bn, bk, steps, gbn in JAX_RAGGED_CONFIGS:
+        fn = jax.jit(
+            lambda x, w, g, bm=bm, bn=bn, bk=bk, steps=steps, gbn=gbn: ragged_dot_mgpu.ragged_dot(
+                x, w, group_sizes=g, block_m=bm, block_n=bn, block_k=bk,
+                max_concurrent_steps=steps, grid_block_n=gbn,
+            )
+        )  # fmt: skip
+        try:
+            if check(f"jax ragged_dot_mgpu {label} {bm},{bn},{bk}", fn(xs[0], wb[0], gss[0]),
+                     ref, log):  # fmt: skip
+                best = min(best, time_op(fn, list(zip(xs, wb, gss, strict=True))))
+        except Exception as e:  # a config that does not fit or lower is reported, not fatal
+            print(f"jax ragged_dot_mgpu {bm},{bn},{bk}: {type(e).__name__}: {str(e)[:300]}")
+    return best
+
+
+def grouped_rows(log, configs=(None,), mgpu_configs=(), linear=False):
     """Grouped rows: this module's Triton kernel at ``configs`` and the tensor-core kernel
-    (``fp4_grouped_matmul_mgpu``) at ``mgpu_configs`` (None: its default)."""
+    (``fp4_grouped_matmul_mgpu``) at ``mgpu_configs`` (None: its default) against XLA's
+    ``ragged_dot`` on BF16 weights; with ``linear``, instead the dispatcher
+    (``fp4_grouped_linear``, tensor-core layout prepacked) against the faster of XLA's
+    ``ragged_dot`` and JAX's Mosaic GPU one."""
+    if linear:
+        configs, mgpu_configs = (), ("linear",)
     rows = []
     for k, n in GROUPED_SHAPES:
         packed, wb = [], []
@@ -667,11 +691,18 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
                 x, w, g, preferred_element_type=jnp.float32
             ).astype(jnp.bfloat16)
             t_bf16 = time_op(ragged, list(zip(xs, wb, gss, strict=True)))
+            if linear:
+                t_jax = jax_ragged_dot_mgpu(xs, wb, gss, log, f"k={k} tokens={tokens}")
+                print(f"  bf16 k={k} tokens={tokens}: XLA ragged_dot {t_bf16 * 1e6:.1f} us, "
+                      f"JAX ragged_dot_mgpu {t_jax * 1e6:.1f} us", flush=True)  # fmt: skip
+                t_bf16 = min(t_bf16, t_jax)
             active = int(np.count_nonzero(np.asarray(gss[0])))
             nbytes = active * (n * k // 2 + n * k // 16 + 4 * n) + 2 * t_rows * (k + n)
             cands = [(c, False) for c in configs] + [(c, True) for c in mgpu_configs]
             for cfg, use_mgpu in cands:
-                if use_mgpu:
+                if cfg == "linear":
+                    fn = gm.fp4_grouped_linear
+                elif use_mgpu:
                     fn = lambda x, w, g, c=cfg: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
                 else:
                     fn = lambda x, w, g, c=cfg: gm.fp4_grouped_matmul(x, w, g, config=c)  # noqa: E731
@@ -687,8 +718,8 @@ def grouped_rows(log, configs=(None,), mgpu_configs=()):
                     print(f"grouped {cfg}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     t = float("nan")
                 name = f"grouped nvfp4 {tokens} tok ({active} experts hit)"
-                name += " mgpu" if use_mgpu else ""
-                if cfg is not None:
+                name += "" if cfg == "linear" else " mgpu" if use_mgpu else ""
+                if cfg not in (None, "linear"):
                     name += " " + json.dumps(
                         {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
                     )
@@ -1066,7 +1097,7 @@ def _mgpu_variants(text: str) -> list[tuple]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="short tiling search, then the table")
+    ap.add_argument("--tune", action="store_true", help="Triton kernel: short tiling search")
     ap.add_argument("--grouped-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="M=1 without the matrix unit")
@@ -1097,6 +1128,9 @@ def main(argv=None):
     ap.add_argument(
         "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"
     )
+    ap.add_argument(
+        "--parts", default=",".join(TABLE_PARTS), help="the table: which of its parts to run"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     log: list = []
@@ -1123,7 +1157,7 @@ def main(argv=None):
         ]
         print_table(grouped_rows(log, cfgs))
     elif args.tune:
-        table(log, tune(log))
+        tune(log)
     elif args.grouped_mgpu:
         variants = () if args.quick else ((256, 3, 8), (256, 3, 16), (256, 3, 32), (128, 4, 16))
         mcfgs = [None] + [
@@ -1153,7 +1187,10 @@ def main(argv=None):
             del case
         print_table(rows)
     else:
-        table(log)
+        parts = tuple(args.parts.split(","))
+        if set(parts) - set(TABLE_PARTS):
+            raise SystemExit(f"--parts: some of {','.join(TABLE_PARTS)}, got {args.parts!r}")
+        table(log, parts, shapes)
     with open(os.path.join(args.out, "fp4_matmul_log.json"), "w") as f:
         json.dump(log, f, indent=1)
     failed = [c for c in log if "check" in c and not c["ok"]]
