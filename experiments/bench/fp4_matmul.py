@@ -613,10 +613,12 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
                 t16 = run_fp4(case, m, log, seed=9, label="table", linear=True)
                 if "dense" in parts:
                     rows.append((f"dense W4A16 {fmt}", k, n, m, t16, tb, fp4_bytes(m, k, n, fmt)))
+                    print("  row", table_line(rows[-1]), flush=True)  # kept if the run is cut
                 if fmt == "nvfp4" and "w4a4" in parts and m <= 64:
                     t4 = run_fp4(case, m, log, seed=9, w4a4="before", label="table", linear=True)
                     name = f"dense W4A4 nvfp4 ({100 * (t4 / t16 - 1):+.0f} % vs W4A16)"
                     rows.append((name, k, n, m, t4, tb, fp4_bytes(m, k, n, fmt, w4a4=True)))
+                    print("  row", table_line(rows[-1]), flush=True)
             del case
     if "grouped" in parts:
         rows += grouped_rows(log, linear=True)
@@ -1036,17 +1038,23 @@ def bounds(log, ms, shapes):
     return rows
 
 
+def table_line(row):
+    """One row of the performance table, Markdown."""
+    name, k, n, m, t, tb, nbytes = row
+    frac = nbytes / t / HBM_BYTES_PER_S if t == t else float("nan")
+    return (
+        f"| {name} | {k} | {n} | {m} | {t * 1e6:.1f} | {tb * 1e6:.1f} | {tb / t:.2f}x | "
+        f"{100 * frac:.0f} % |"
+    )
+
+
 def print_table(rows):
     print(
         "\n| case | K | N | M | time (us) | best bf16 (us) | speedup | of 4.8 TB/s, bytes moved |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, k, n, m, t, tb, nbytes in rows:
-        frac = nbytes / t / HBM_BYTES_PER_S if t == t else float("nan")
-        print(
-            f"| {name} | {k} | {n} | {m} | {t * 1e6:.1f} | {tb * 1e6:.1f} | {tb / t:.2f}x | "
-            f"{100 * frac:.0f} % |"
-        )
+    for row in rows:
+        print(table_line(row))
 
 
 def smoke(log):
