@@ -595,7 +595,9 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
 
     * "dense": ``fp4_linear`` (the dispatcher) on a ``prepack``ed NVFP4 and MXFP4 weight, M = 1,
       16, 64, 256, against the best BF16 path (XLA in both weight layouts, the BF16 variant of
-      the kernel);
+      the kernel); after each shape a "bound" row: XLA's read of the FP4 weight bytes the
+      route streams against its read of the BF16 weight (the ratio a kernel streaming both at
+      XLA's efficiency would reach);
     * "w4a4": ``fp4_linear(w4a4=True)`` (NVFP4, M <= 64), with the W4A16 time of the same run;
     * "grouped": ``fp4_grouped_linear`` on ``prepack_grouped`` experts (E=128, top-8; 16, 64
       and 256 tokens) against XLA's ``ragged_dot`` and JAX's Mosaic GPU ``ragged_dot`` on the
@@ -625,6 +627,11 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
                     name = f"dense W4A4 nvfp4 ({100 * (t4 / t16 - 1):+.0f} % vs W4A16)"
                     rows.append((name, k, n, m, t4, tb, fp4_bytes(m, k, n, fmt, w4a4=True)))
                     print("  row", table_line(rows[-1]), flush=True)
+            if "dense" in parts:  # the measured bound of the rows above
+                t_read, wbytes = xla_read(case.packed)
+                name = f"bound: XLA's read of the {fmt} weight bytes (bf16 column: of the bf16 one)"
+                rows.append((name, k, n, "-", t_read, xla_read_bf16(case.w_bf16), wbytes))
+                print("  row", table_line(rows[-1]), flush=True)
             del case
     if "grouped" in parts:
         rows += grouped_rows(log, linear=True)
@@ -987,6 +994,28 @@ def moe_layer(log, token_counts=(16, 64)):
     return rows
 
 
+def _weight_arrays(packed):
+    """The code and scale arrays the default route streams from a ``prepack``ed weight."""
+    if packed.mgpu is not None:
+        return packed.mgpu.words, packed.mgpu.scales
+    return packed.codes, packed.scales
+
+
+def xla_read(packed):
+    """(seconds per read, bytes) of XLA summing the weight bytes the default route streams
+    (``_weight_arrays`` of each of ``packed``): the best a plain XLA kernel streams them."""
+    read = lambda *arrays: sum(jnp.sum(a, dtype=jnp.uint32) for a in arrays)  # noqa: E731
+    return (
+        time_op(read, [_weight_arrays(p) for p in packed]),
+        sum(a.nbytes for a in _weight_arrays(packed[0])),
+    )
+
+
+def xla_read_bf16(ws):
+    """Seconds per read of XLA summing the BF16 weights ``ws`` (float32 accumulation)."""
+    return time_op(lambda w: jnp.sum(w, dtype=jnp.float32), [(w,) for w in ws])
+
+
 def bounds(log, ms, shapes):
     """What bounds the tensor-core kernel: at each shape and M, the whole op (``fp4_matmul``:
     padding, kernel, split-K sum, scales, transpose), the kernel alone
@@ -997,9 +1026,7 @@ def bounds(log, ms, shapes):
     for k, n in shapes:
         case = make_dense(k, n, "nvfp4", SETS, seed=1)
         mw = [p.mgpu for p in case.packed]
-        wbytes = mw[0].words.nbytes + mw[0].scales.nbytes
-        read = lambda w: jnp.sum(w.words, dtype=jnp.uint32) + jnp.sum(w.scales, dtype=jnp.uint32)  # noqa: E731
-        t_read = time_op(read, [(w,) for w in mw])
+        t_read, wbytes = xla_read(case.packed)
         for m in ms:
             cfg = fmm.default_config(m, k, n)
             xs = [make_x(m, k, 5 + i) for i in range(SETS)]

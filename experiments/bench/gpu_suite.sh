@@ -19,6 +19,7 @@ STEPS=(
   "attention-mgpu|200|$PY $BENCH/fp4_attention.py --mgpu --shapes 32x8192 --grid '[{}, {\"stages\": 3}, {\"num_splits\": 4}, {\"num_splits\": 16}, {\"p_parts\": 1}, {\"overlap_v\": true}]'"
   "attention-table|420|$PY $BENCH/fp4_attention.py"
   "attention-fused|300|$PY $BENCH/fp4_attention.py --fused"
+  "matmul-table|590|$PY $BENCH/fp4_matmul.py"
   "matmul-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/fp4/test_quantize.py tests/pallas_kernels/test_fp4_activation.py tests/pallas_kernels/test_fp4_matmul_mgpu.py"
   "matmul-w4a4|240|$PY $BENCH/fp4_matmul.py --w4a4 --ms 1,16,64"
   "matmul-grouped|240|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64"
