@@ -604,6 +604,11 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
       BF16 weights.
     """
     rows = []
+
+    def add(row):  # printed as measured, so a run cut short keeps its rows
+        rows.append(row)
+        print("  row", table_line(row), flush=True)
+
     fmts = ("nvfp4", "mxfp4") if "dense" in parts else ("nvfp4",) if "w4a4" in parts else ()
     for fmt in fmts:
         for k, n in shapes:
@@ -614,24 +619,21 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
                 tb = t_bf16_cache[(k, m)]
                 t16 = run_fp4(case, m, log, seed=9, label="table", linear=True)
                 if "dense" in parts:
-                    rows.append((f"dense W4A16 {fmt}", k, n, m, t16, tb, fp4_bytes(m, k, n, fmt)))
-                    print("  row", table_line(rows[-1]), flush=True)  # kept if the run is cut
+                    add((f"dense W4A16 {fmt}", k, n, m, t16, tb, fp4_bytes(m, k, n, fmt)))
                 if fmt == "nvfp4" and "w4a4" in parts and m <= 64:
                     # W4A16 and W4A4 timed alternately twice, the faster of each kept: one
-                    # timing of either can be slowed by a transient (seen: 3x, once per run)
+                    # timing of either can be slowed by a transient (seen: 1.6-3x)
                     t4 = run_fp4(case, m, log, seed=9, w4a4="before", label="table", linear=True)
                     t16 = min(t16, run_fp4(case, m, log, seed=9, label="table", linear=True))
                     t4 = min(
                         t4, run_fp4(case, m, log, seed=9, w4a4="before", label="table", linear=True)
                     )
                     name = f"dense W4A4 nvfp4 ({100 * (t4 / t16 - 1):+.0f} % vs W4A16)"
-                    rows.append((name, k, n, m, t4, tb, fp4_bytes(m, k, n, fmt, w4a4=True)))
-                    print("  row", table_line(rows[-1]), flush=True)
+                    add((name, k, n, m, t4, tb, fp4_bytes(m, k, n, fmt, w4a4=True)))
             if "dense" in parts:  # the measured bound of the rows above
                 t_read, wbytes = xla_read(case.packed)
                 name = f"bound: XLA's read of the {fmt} weight bytes (bf16 column: of the bf16 one)"
-                rows.append((name, k, n, "-", t_read, xla_read_bf16(case.w_bf16), wbytes))
-                print("  row", table_line(rows[-1]), flush=True)
+                add((name, k, n, "-", t_read, xla_read_bf16(case.w_bf16), wbytes))
             del case
     if "grouped" in parts:
         rows += grouped_rows(log, linear=True)
