@@ -50,14 +50,21 @@ REL_TOL = 8e-3  # bf16 output rounding is ~2e-3 relative per element
 # ----------------------------------------------------------------------------- timing
 
 
-def time_op(fn, arg_sets, reps: int = 5, min_s: float = 0.03) -> float:
-    """Median seconds per call of ``fn(*args)`` over back-to-back runs of a batched program."""
+def time_op(fn, arg_sets, reps: int = 5, min_s: float = 0.03, warm_s: float = 0.1) -> float:
+    """Median seconds per call of ``fn(*args)`` over back-to-back runs of a batched program,
+    after ``warm_s`` of untimed runs (the GPU sits idle while a new program compiles; the
+    first timing after a switch was seen 1.3-3x slow without them)."""
     calls = [arg_sets[i % len(arg_sets)] for i in range(CALLS)]
     prog = jax.jit(lambda cs: [fn(*a) for a in cs])
     jax.block_until_ready(prog(calls))
     t0 = time.perf_counter()
     jax.block_until_ready(prog(calls))
-    iters = max(1, int(min_s / max(time.perf_counter() - t0, 1e-6)))
+    once = max(time.perf_counter() - t0, 1e-6)
+    iters = max(1, int(min_s / once))
+    out = None
+    for _ in range(int(warm_s / once)):
+        out = prog(calls)
+    jax.block_until_ready(out)
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
