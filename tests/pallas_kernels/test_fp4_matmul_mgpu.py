@@ -350,6 +350,23 @@ def test_one_row_default_config_runs():
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
 
 
+def test_decode_default_splits_k_on_warpgroups():
+    # 2-16 rows (one row above K=4096): K split over the two warpgroups of one program, the
+    # output scaled and rounded in the kernel (no fp32 partials summed in XLA); equals the
+    # reference
+    for m, k in ((16, 8192), (2, 4096), (1, 8192), (16, 2048)):
+        cfg = fmm.default_config(m, k, 28672)
+        assert (cfg.split_in, cfg.split_k, cfg.block_k) == ("warpgroups", 2, 128), (m, k)
+        assert fmm._smem_bytes(cfg, cfg.stages, 16) <= fmm._SMEM_LIMIT
+    assert fmm.default_config(1, 4096, 14336).split_in == "grid"  # one row, short K
+    assert fmm.default_config(16, 1024, 64).split_in == "grid"  # too few steps to split
+    k, n, m = 2048, 64, 3
+    qt = _weights(k, n, seed=25)
+    x = random_x(m, k, seed=26)
+    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    assert_close(y, fm.fp4_matmul_reference(x, qt))
+
+
 @pytest.mark.parametrize(
     ("m", "n", "warpgroups"), [(40, 128, 2), (40, 64, 1), (200, 64, 1), (100, 128, 2)]
 )
