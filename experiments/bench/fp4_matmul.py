@@ -789,9 +789,12 @@ MGPU_VARIANTS = (  # (block_k, stages, split_k, warpgroups, decode, split_in); N
 )
 
 
-def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_SHAPES):
+def mgpu(
+    log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_SHAPES, triton=True
+):
     """FP4 on the tensor cores (``fp4_matmul_mgpu``, Mosaic GPU): identity rows bit for bit
-    first, then each dense shape and M against ``fp4_matmul``'s default and the best BF16 path."""
+    first, then each dense shape and M against ``fp4_matmul``'s default and the best BF16 path
+    (and the Triton kernel's default where ``triton``)."""
     qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, fmt, axis=0)
     eye = jnp.eye(256, dtype=jnp.bfloat16)
     y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), fmm.MgpuMatmulConfig(block_k=128))
@@ -809,10 +812,10 @@ def mgpu(log, variants=MGPU_VARIANTS, ms=(1, 16, 64), fmt="nvfp4", shapes=DENSE_
         todo = [v for v in variants if v is not None or case.packed[0].mgpu is None]
         for m in ms:
             tb = best_bf16(case, m, log, seed=5)[0]
-            for name, c in (
-                ("fp4_matmul (dispatch)", None),
-                ("Triton kernel, default_config", fm.default_config(m, k, n)),
-            ):
+            routes = [("fp4_matmul (dispatch)", None)]
+            if triton:
+                routes.append(("Triton kernel, default_config", fm.default_config(m, k, n)))
+            for name, c in routes:
                 t = run_fp4(case, m, log, seed=9, config=c, label=name)
                 print(f"  {name} k={k} m={m}: {t * 1e6:.1f} us, bf16 {tb * 1e6:.1f} us", flush=True)
                 rows.append((f"{fmt} {name}", k, n, m, t, tb, fp4_bytes(m, k, n, fmt)))
@@ -1239,7 +1242,7 @@ def main(argv=None):
         print_table(grouped_rows(log, (None,), mcfgs))
     elif args.mgpu:
         variants = _mgpu_variants(args.variants) or ((None,) if args.quick else MGPU_VARIANTS)
-        mgpu(log, variants, ms, args.fmt, shapes)
+        mgpu(log, variants, ms, args.fmt, shapes, triton=not args.variants)
     elif args.moe_layer:
         print_table(moe_layer(log, ms))
     elif args.w4a4:
