@@ -155,11 +155,11 @@ def _check_smem(cfg: MgpuMatmulConfig, stages: int, mpad: int, who: str) -> None
 def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     """Tuned defaults per shape class (H200, BENCHMARKS.md), ``m`` rows, weight [k, n].
 
-    Up to 16 rows, K >= 2048: K split in two over the two warpgroups of one program, each
-    with 4 buffers of 128-element steps, the halves added in shared memory and the output
-    scaled in the kernel (no fp32 partials for XLA to sum): 5-8 % faster than the K split
-    over the grid at K=8192 in three H100 runs (57.2-60.1 vs 61.7-64.9 us at M=1), 16 %
-    at K=4096 M=16 in two of three (BENCHMARKS.md, "K split on warpgroups").
+    Up to 16 rows, K >= 2048 (a multiple of 256): K split in two over the two warpgroups of
+    one program, each with 4 buffers of 128-element steps, the halves added in shared memory
+    and the output scaled in the kernel (no fp32 partials for XLA to sum): 5-8 % faster than
+    the K split over the grid at K=8192 in three H100 runs (57.2-60.1 vs 61.7-64.9 us at
+    M=1), 16 % at K=4096 M=16 in two of three (BENCHMARKS.md, "K split on warpgroups").
     One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
     two over the grid, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
     Shorter K: 256-element steps, 3 buffers, K split over the grid where each part keeps at

@@ -63,8 +63,8 @@ REL_TOL = 8e-3  # bf16 output rounding is ~2e-3 relative per element
 
 def time_op(fn, arg_sets, reps: int = 5, min_s: float = 0.03, warm_s: float = 0.1) -> float:
     """Median seconds per call of ``fn(*args)`` over back-to-back runs of a batched program,
-    after ``warm_s`` of untimed runs (the GPU sits idle while a new program compiles; the
-    first timing after a switch was seen 1.3-3x slow without them)."""
+    after ``warm_s`` of untimed runs (the first timing after a program switch was seen 1.3-3x
+    slow without them; they make it rarer, not gone)."""
     calls = [arg_sets[i % len(arg_sets)] for i in range(CALLS)]
     prog = jax.jit(lambda cs: [fn(*a) for a in cs])
     jax.block_until_ready(prog(calls))
@@ -638,15 +638,13 @@ def table(log, parts=TABLE_PARTS, shapes=DENSE_SHAPES):
                 # Each route timed twice, W4A16 and W4A4 alternately, the faster kept: one
                 # timing can be slowed by a transient (seen: the first after the BF16
                 # baseline at a shape, 1.3-3x); every timing goes to the log.
-                routes = [False] + (
-                    [True] if fmt == "nvfp4" and "w4a4" in parts and m <= 64 else []
-                )
-                routes = routes if "dense" in parts else routes[1:]
+                routes = [False] if "dense" in parts else []
+                if fmt == "nvfp4" and "w4a4" in parts and m <= 64:
+                    routes.append(True)
                 times = {w4: [] for w4 in routes}
                 for _ in range(2):
                     for w4 in routes:
-                        t = run_fp4(case, m, log, seed=9, w4a4=w4 and "before", label="table",
-                                    linear=True)  # fmt: skip
+                        t = run_fp4(case, m, log, seed=9, w4a4=w4, label="table", linear=True)
                         times[w4].append(t)
                         log.append(dict(table=fmt, k=k, n=n, m=m, w4a4=w4, us=t * 1e6))
                 best = {w4: min(ts) for w4, ts in times.items()}
