@@ -155,15 +155,16 @@ def _check_smem(cfg: MgpuMatmulConfig, stages: int, mpad: int, who: str) -> None
 def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     """Tuned defaults per shape class (H200, BENCHMARKS.md), ``m`` rows, weight [k, n].
 
-    Up to 16 rows, K >= 2048 (a multiple of 256): K split in two over the two warpgroups of
-    one program, each with 4 buffers of 128-element steps, the halves added in shared memory
-    and the output scaled in the kernel (no fp32 partials for XLA to sum): 5-8 % faster than
-    the K split over the grid at K=8192 in three H100 runs (57.2-60.1 vs 61.7-64.9 us at
-    M=1), 16 % at K=4096 M=16 in two of three (BENCHMARKS.md, "K split on warpgroups").
+    2-16 rows, 2048 <= K <= 4096 (a multiple of 256): K split in two over the two warpgroups
+    of one program, each with 4 buffers of 128-element steps, the halves added in shared
+    memory and the output scaled in the kernel (no fp32 partials for XLA to sum): at K=4096
+    M=16 17.7 against ~22 us on the H200, 16 % faster in two of three H100 runs.
     One row and K <= 4096 (few steps per program): 128-element steps, 4 buffers, K split in
     two over the grid, two warpgroups per program (18.9 vs 25.3 us at K=4096 N=14336).
-    Shorter K: 256-element steps, 3 buffers, K split over the grid where each part keeps at
-    least 8 steps.
+    Longer or shorter K: 256-element steps, 3 buffers, K split over the grid where each part
+    keeps at least 8 steps: at K=8192 N=28672 50.0-52.3 us on the H200 against 55.5-57.3 with
+    the split on warpgroups (which is 5-8 % the faster on an H100; BENCHMARKS.md, "K split
+    on warpgroups").
     17-64 rows: two warpgroups share each 128-element activation tile, 3 buffers (78.0 vs
     92.0 us at M=64 K=8192 N=28672). 65-128 rows: two warpgroups, 64-element steps, 4 buffers
     (109.4 vs 127.2 us at M=128); 129-256 rows: two warpgroups, 128-element steps, 3 buffers
@@ -187,7 +188,7 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
         return MgpuMatmulConfig(block_k=_CHUNK, stages=2)
     if m == 1 and k <= 4096 and k % 256 == 0 and n % (2 * _TILE_N) == 0:
         return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, warpgroups=2)
-    if k % 256 == 0 and k // 256 >= 8:
+    if k % 256 == 0 and 2048 <= k <= 4096:
         return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, split_in="warpgroups")
     split = 2 if k % (2 * block_k) == 0 and k // (2 * block_k) >= 8 else 1
     return MgpuMatmulConfig(block_k=block_k, stages=3, split_k=split)
@@ -491,6 +492,8 @@ def _stream(
             plgpu.wgmma_wait(chunks)
             refill = step - 1 + cfg.stages
             prev = lax.rem(refill, cfg.stages)
+            if isinstance(step, int) and not 0 < step < steps - cfg.stages + 1:
+                return  # the odd last step (a static index): nothing to refill, none traced
             if ksplit:  # each warpgroup refills its own buffers
 
                 @pl.when((step > 0) & (refill < steps))

@@ -51,6 +51,8 @@ def test_identity_rows_recover_dequantize_exactly():
         (24, 384, 192, None),
         # two warpgroups share each activation buffer; the refill waits for both
         (24, 256, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        # the default there (two warpgroups, 128-element steps) with an odd step count
+        (24, 384, 256, None),
         # the warpgroups split K (own buffers; the parts added in shared memory)
         (
             1,
@@ -251,20 +253,22 @@ def _experts(e, k, n, seed, scale=0.05):
 
 
 @pytest.mark.parametrize(
-    ("sizes", "t", "cfg"),
+    ("sizes", "t", "k", "cfg"),
     [
         # empty experts, a group spanning several blocks, rows past the sum of the sizes
-        ((5, 0, 19, 1, 0, 4), 31, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
-        ((0, 0, 3, 0, 0, 0), 3, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
-        ((2, 7, 0, 9, 1, 3), 22, None),
-        # two warpgroups: 128 columns per program sharing each activation tile
-        ((3, 0, 12, 6), 21, fmm.MgpuMatmulConfig(block_k=64, stages=2, block_m=8, warpgroups=2)),
+        ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
+        ((0, 0, 3, 0, 0, 0), 3, 256, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
+        ((2, 7, 0, 9, 1, 3), 22, 256, None),
+        # two warpgroups: 128 columns per program sharing each activation tile; an odd number
+        # of K steps in the second
+        ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=3, warpgroups=2)),
     ],
 )
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
-def test_grouped_matches_reference(sizes, t, cfg, interpret):
+def test_grouped_matches_reference(sizes, t, k, cfg, interpret):
     # row counts that are not whole 8-row tiles, expert starts off the tiles
-    e, k, n = len(sizes), 256, 128
+    e, n = len(sizes), 128
     qt = _experts(e, k, n, seed=t)
     x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
@@ -351,15 +355,18 @@ def test_one_row_default_config_runs():
 
 
 def test_decode_default_splits_k_on_warpgroups():
-    # 2-16 rows (one row above K=4096): K split over the two warpgroups of one program, the
+    # 2-16 rows at 2048 <= K <= 4096: K split over the two warpgroups of one program, the
     # output scaled and rounded in the kernel (no fp32 partials summed in XLA); equals the
     # reference
-    for m, k in ((16, 8192), (2, 4096), (1, 8192), (16, 2048)):
+    for m, k in ((16, 4096), (2, 4096), (16, 2048)):
         cfg = fmm.default_config(m, k, 28672)
         assert (cfg.split_in, cfg.split_k, cfg.block_k) == ("warpgroups", 2, 128), (m, k)
         assert fmm._smem_bytes(cfg, cfg.stages, 16) <= fmm._SMEM_LIMIT
     assert fmm.default_config(1, 4096, 14336).split_in == "grid"  # one row, short K
     assert fmm.default_config(16, 1024, 64).split_in == "grid"  # too few steps to split
+    for m in (1, 16):  # long K: 256-element steps, split over the grid
+        cfg = fmm.default_config(m, 8192, 28672)
+        assert (cfg.split_in, cfg.split_k, cfg.block_k, cfg.stages) == ("grid", 2, 256, 3)
     k, n, m = 2048, 64, 3
     qt = _weights(k, n, seed=25)
     x = random_x(m, k, seed=26)
