@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plgpu_triton
 
 from trace_jax.fp4 import QTensor
 from trace_jax.fp4.formats import E8M0_NAN
@@ -71,6 +72,7 @@ _SLOTS = {
 
 Decode = Literal["asm", "portable", "none"]
 SplitIn = Literal["grid", "warpgroups"]
+Prologue = Literal["xla", "kernel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,10 @@ class MgpuMatmulConfig:
         fp32 partials summed in XLA) or "warpgroups" (one warpgroup per part in one program,
         each with its own buffers; the sums are added in shared memory and the output scaled
         and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2).
+      prologue: grouped form, the work before the kernel (``grouped_plan``,
+        ``pad_rows_for_windows``): "xla" (the row-block plan in XLA ops, x padded for every
+        window) or "kernel" (the plan in one Triton launch; x read as it is where its rows are
+        whole 8-row tiles and at least one window, TMA filling the window rows past its end).
     """
 
     block_k: int = 256
@@ -100,6 +106,7 @@ class MgpuMatmulConfig:
     block_m: int = 8
     warpgroups: int = 1
     split_in: SplitIn = "grid"
+    prologue: Prologue = "xla"
 
     def __post_init__(self):
         if self.block_k < _CHUNK or self.block_k % _CHUNK:
@@ -118,6 +125,8 @@ class MgpuMatmulConfig:
             )
         if self.decode not in ("asm", "portable", "none"):
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
+        if self.prologue not in ("xla", "kernel"):
+            raise ValueError(f"MgpuMatmulConfig.prologue: unknown {self.prologue!r}")
 
 
 def _threads(cfg: MgpuMatmulConfig) -> int:
@@ -802,11 +811,17 @@ def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
     return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
 
 
+def num_row_blocks(rows: int, experts: int, block_m: int) -> int:
+    """A static bound on the row blocks of any routing of ``rows`` rows over ``experts``."""
+    return -(-rows // block_m) + experts
+
+
 def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     """Split each expert's rows into blocks of ``block_m``: per block [B] its expert, first row
-    and number of valid rows (0 past the last block), B a static bound for any routing."""
+    and number of valid rows (0 past the last block), B = ``num_row_blocks`` (the plan in XLA
+    ops: the reference of ``_plan_kernel``)."""
     e = group_sizes.shape[0]
-    nblocks = -(-rows // block_m) + e
+    nblocks = num_row_blocks(rows, e, block_m)
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     nb = -(-sizes // block_m)
@@ -830,19 +845,19 @@ def grouped_partials(
     rows: int,
     interpret: bool = False,
 ) -> jax.Array:
-    """The grouped kernel alone: xp [T', K] bf16 (T = ``rows`` rows sorted by expert, then
-    zero rows so that every window of ``block_m + 8`` rows from a block's first row rounded
-    down to a multiple of 8 fits), per row block its expert ``be``, first row ``brow`` and
-    valid row count ``valid`` [B] int32 -> y [T, N] bf16: each block's valid rows times its
-    expert's weight, each column times its ``w.out_scale`` (one rounding of the float32 sum),
-    written by the block straight into its rows; rows of no block are not written."""
-    _, k, n = w.shape
+    """The grouped kernel alone: xp [T', K] bf16 (``pad_rows_for_windows`` of the T = ``rows``
+    rows sorted by expert), per row block its expert ``be``, first row ``brow`` and valid row
+    count ``valid`` [>= B] int32 (``grouped_plan``) -> y [T, N] bf16: each block's valid rows
+    times its expert's weight, each column times its ``w.out_scale`` (one rounding of the
+    float32 sum), written by the block straight into its rows; rows of no block are not
+    written."""
+    e, k, n = w.shape
     steps = k // cfg.block_k
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
         out_type=jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),
-        grid=(be.shape[0], n // (_TILE_N * cfg.warpgroups)),
+        grid=(num_row_blocks(rows, e, cfg.block_m), n // (_TILE_N * cfg.warpgroups)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -891,8 +906,9 @@ def fp4_grouped_matmul_mgpu(
         )
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1)
     _check_smem(cfg, cfg.stages, bm + _ROW_ALIGN, "fp4_grouped_matmul_mgpu")
-    plan = grouped_plan(group_sizes, t, bm)
-    xp = pad_rows_for_windows(x, bm)
+    lean = cfg.prologue == "kernel"
+    plan = grouped_plan(group_sizes, t, bm, kernel=lean, interpret=interpret)
+    xp = pad_rows_for_windows(x, bm, past_end=lean)
     y = grouped_partials(
         xp, w, plan.expert, plan.first_row, plan.valid, cfg, rows=t, interpret=interpret
     )
@@ -912,14 +928,83 @@ class GroupedPlan:
     valid: jax.Array
 
 
-def grouped_plan(group_sizes: jax.Array, rows: int, block_m: int) -> GroupedPlan:
+_PLAN_BLOCKS = 16  # row blocks per program of the plan kernel
+
+
+def _plan_kernel(sizes_ref, expert_ref, first_ref, valid_ref, *, block_m: int, experts: int):
+    """``_row_blocks`` for 16 row blocks per program: sizes [E'] int32 (zeros past the E
+    experts, E' a power of two) -> per block its expert, first row and valid rows (int32).
+    Each program scans the sizes (prefix sums), finds each of its blocks' expert by counting
+    the experts whose blocks end at or before it, and reads that expert's fields by a one-hot
+    sum ([16, E'] per program: the grid shares the compare XLA's form does in one pass)."""
+    sizes = sizes_ref[...]
+    nb = (sizes + (block_m - 1)) // block_m
+    ends = jnp.cumsum(sizes)
+    bend = jnp.cumsum(nb)
+    shape = (expert_ref.shape[0], sizes.shape[0])
+    block = pl.program_id(0) * shape[0] + lax.broadcasted_iota(jnp.int32, (shape[0],), 0)
+    b = block[:, None]
+    be = jnp.minimum(jnp.sum((bend[None, :] <= b).astype(jnp.int32), axis=1), experts - 1)
+    onehot = lax.broadcasted_iota(jnp.int32, shape, 1) == be[:, None]
+
+    def pick(v):
+        return jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
+
+    j = block - pick(bend - nb)
+    valid = jnp.minimum(block_m, pick(sizes) - j * block_m)
+    expert_ref[...] = be
+    first_ref[...] = pick(ends - sizes) + j * block_m
+    valid_ref[...] = jnp.where(block < jnp.sum(nb), valid, 0)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def grouped_plan(
+    group_sizes: jax.Array,
+    rows: int,
+    block_m: int,
+    *,
+    kernel: bool = False,
+    interpret: bool = False,
+) -> GroupedPlan:
     """Each expert's rows cut into blocks of ``block_m``; a block reads the window of
     ``block_m + 8`` rows from its first row rounded down to a multiple of 8 (TMA into the tiled
-    buffer needs aligned starts) and writes its valid rows of the output."""
-    return GroupedPlan(*_row_blocks(group_sizes, rows, block_m))
+    buffer needs aligned starts) and writes its valid rows of the output.
+
+    XLA's ops (``_row_blocks``: ``num_row_blocks`` entries), or with ``kernel`` one small
+    Triton launch (``_plan_kernel``; ``interpret``: in the Pallas interpreter) whose fields
+    have that number rounded up to a multiple of 16 entries, equal to XLA's on its blocks
+    and with 0 valid rows past them."""
+    if not kernel:
+        return GroupedPlan(*_row_blocks(group_sizes, rows, block_m))
+    e = group_sizes.shape[0]
+    ep, bp = _pow2(e), _round_up(num_row_blocks(rows, e, block_m), _PLAN_BLOCKS)
+    sizes = group_sizes.astype(jnp.int32)
+    if ep != e:
+        sizes = jnp.pad(sizes, (0, ep - e))
+    field = jax.ShapeDtypeStruct((bp,), jnp.int32)
+    blocks = pl.BlockSpec((_PLAN_BLOCKS,), lambda i: (i,))
+    fields = pl.pallas_call(
+        functools.partial(_plan_kernel, block_m=block_m, experts=e),
+        out_shape=(field, field, field),
+        grid=(bp // _PLAN_BLOCKS,),
+        in_specs=[pl.BlockSpec((ep,), lambda i: (0,))],
+        out_specs=(blocks, blocks, blocks),
+        interpret=interpret,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=8, num_stages=1),
+    )(sizes)
+    return GroupedPlan(*fields)
 
 
-def pad_rows_for_windows(x: jax.Array, block_m: int) -> jax.Array:
-    """x [T, K] -> bf16 [T', K] with zero rows after it: every window fits, whole 8-row tiles."""
+def pad_rows_for_windows(x: jax.Array, block_m: int, *, past_end: bool = False) -> jax.Array:
+    """x [T, K] -> bf16 [T', K]: every row block's window of ``block_m + 8`` rows read by one
+    TMA copy from a multiple of 8. Zero rows after x (whole 8-row tiles, every window
+    inside), or with ``past_end``, where T is a multiple of 8 and at least a window, x as it
+    is: TMA fills the rows of a window past T with zeros (their outputs are not written)."""
     t = x.shape[0]
-    return jnp.pad(x.astype(jnp.bfloat16), ((0, block_m + _ROW_ALIGN + -t % _ROW_ALIGN), (0, 0)))
+    x = x.astype(jnp.bfloat16)
+    if past_end and t % _ROW_ALIGN == 0 and t >= block_m + _ROW_ALIGN:
+        return x
+    return jnp.pad(x, ((0, block_m + _ROW_ALIGN + -t % _ROW_ALIGN), (0, 0)))

@@ -893,7 +893,8 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
     """The grouped tensor-core kernel at its default: the whole op (routing plan, padding,
     kernel, masking of unrouted rows in XLA) against the kernel alone (``fmm.grouped_partials`` on a
     plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes.
-    ``variants``: (block_k, stages, block_m, warpgroups) tilings whose whole op is timed too."""
+    ``variants``: (block_k, stages, block_m, warpgroups[, prologue]) tilings whose whole op
+    is timed too (prologue "xla" where not given, or "kernel": ``MgpuMatmulConfig.prologue``)."""
     rows = []
     for k, n in GROUPED_SHAPES:
         packed, wb = [], []
@@ -928,8 +929,10 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
                 kernel=time_op(kern, list(zip(xps, packed, plans, strict=True))),
                 ragged_dot_bf16=time_op(ragged, list(zip(xs, wb, gss, strict=True))),
             )
-            for bk, st, bm, wg in variants:
-                c = fmm.MgpuMatmulConfig(block_k=bk, stages=st, block_m=bm, warpgroups=wg)
+            for bk, st, bm, wg, *prologue in variants:
+                c = fmm.MgpuMatmulConfig(
+                    block_k=bk, stages=st, block_m=bm, warpgroups=wg, prologue=(*prologue, "xla")[0]
+                )
                 fn = lambda x, w, g, c=c: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
                 try:
                     y = fn(xs[0], packed[0], gss[0])
@@ -939,8 +942,8 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
                 except Exception as e:
                     print(f"grouped {c}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     t = float("nan")
-                print(f"  grouped k={k} tokens={tokens} bk={bk} st={st} bm={bm} wg={wg}: "
-                      f"{t * 1e6:.1f} us", flush=True)  # fmt: skip
+                print(f"  grouped k={k} tokens={tokens} bk={bk} st={st} bm={bm} wg={wg} "
+                      f"{c.prologue}: {t * 1e6:.1f} us", flush=True)  # fmt: skip
                 log.append(dict(grouped=f"k={k} tokens={tokens}", cfg=str(c), us=t * 1e6))
             active = int(np.count_nonzero(np.asarray(gss[0])))
             wbytes = active * (n * k // 2 + n * k // 16 + 4 * n)
@@ -1150,6 +1153,29 @@ def _int_tuples(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.split(",")) for t in text.split(";")] if text else []
 
 
+def _grouped_variants(text: str) -> list[tuple]:
+    """'256,3,8,1;256,3,8,1,kernel' -> (block_k, stages, block_m, warpgroups[, prologue])."""
+    out = []
+    for t in text.split(";") if text else []:
+        fields = t.split(",")
+        prologue = [] if fields[-1].isdigit() else [fields.pop()]
+        if (
+            len(fields) != 4
+            or not all(v.isdigit() for v in fields)
+            or prologue
+            not in (
+                [],
+                ["xla"],
+                ["kernel"],
+            )
+        ):
+            raise SystemExit(
+                f"--variants: 'block_k,stages,block_m,warpgroups[,xla|kernel]', got {t!r}"
+            )
+        out.append((*map(int, fields), *prologue))
+    return out
+
+
 def _mgpu_variants(text: str) -> list[tuple]:
     """'256,3,2,1;256,3,2,1,none;256,3,2,1,wk' -> (block_k, stages, split_k, warpgroups,
     decode, split_in) tuples: "none" (the diagnostic without the decode), "wk" (the K parts on
@@ -1197,7 +1223,8 @@ def main(argv=None):
         default="",
         help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none][,wk];...' (none: no "
         "decode; wk: K parts on the warpgroups); "
-        "--grouped-bounds: 'block_k,stages,block_m,warpgroups;...'",
+        "--grouped-bounds: 'block_k,stages,block_m,warpgroups[,xla|kernel];...' (kernel: the "
+        "routing plan in one Triton launch, x read past its end)",
     )
     ap.add_argument(
         "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"
@@ -1248,7 +1275,7 @@ def main(argv=None):
     elif args.bounds:
         bounds(log, ms, shapes)
     elif args.grouped_bounds:
-        grouped_bounds(log, ms, _int_tuples(args.variants))
+        grouped_bounds(log, ms, _grouped_variants(args.variants))
     elif args.dispatch:
         print_table(dispatch(log, ms, args.fmt, shapes))
     elif args.gemv:

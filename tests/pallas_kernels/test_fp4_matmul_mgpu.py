@@ -259,6 +259,10 @@ def _experts(e, k, n, seed, scale=0.05):
         ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
         ((0, 0, 3, 0, 0, 0), 3, 256, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
         ((2, 7, 0, 9, 1, 3), 22, 256, None),
+        # the plan in a Triton kernel; whole 8-row tiles, so x is not padded and the last
+        # windows reach past its rows
+        ((5, 0, 11, 8), 24, 256, fmm.MgpuMatmulConfig(block_k=128, prologue="kernel")),
+        ((0, 7, 0, 9, 1, 3), 22, 256, fmm.MgpuMatmulConfig(block_k=64, prologue="kernel")),
         # two warpgroups: 128 columns per program sharing each activation tile; an odd number
         # of K steps in the second
         ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
@@ -307,6 +311,52 @@ def test_grouped_prepack_and_bad_inputs():
         fmm.MgpuMatmulConfig(block_m=12)
     with pytest.raises(ValueError, match="split_in"):
         fmm.MgpuMatmulConfig(split_k=2, warpgroups=2, split_in="warpgroups")
+
+
+@pytest.mark.parametrize(
+    ("experts", "rows", "block_m"), [(128, 128, 8), (128, 2048, 64), (6, 31, 16), (60, 200, 8)]
+)
+def test_grouped_plan_kernel_equals_xla_plan(experts, rows, block_m):
+    # random routings (empty experts, one expert with every row, fewer rows routed than
+    # rows, E not a power of two): the kernel's fields on the B blocks equal XLA's, and the
+    # blocks past B have no valid rows
+    rng = np.random.default_rng(experts + rows)
+    nblocks = fmm.num_row_blocks(rows, experts, block_m)
+    routings = [
+        np.bincount(rng.integers(0, experts, rows), minlength=experts),
+        np.bincount(rng.integers(0, max(experts // 4, 1), rows // 2), minlength=experts),
+        np.eye(experts, dtype=np.int64)[experts // 2] * rows,
+        np.zeros(experts, np.int64),
+    ]
+    for sizes in routings:
+        gs = jnp.asarray(sizes, jnp.int32)
+        plan = fmm.grouped_plan(gs, rows, block_m, kernel=True, interpret=True)
+        want = fmm._row_blocks(gs, rows, block_m)
+        for got, ref in zip((plan.expert, plan.first_row, plan.valid), want, strict=True):
+            assert got.shape[0] >= nblocks and got.dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(got)[:nblocks], np.asarray(ref))
+        assert not np.any(np.asarray(plan.valid)[nblocks:])
+        assert int(np.asarray(plan.valid).sum()) == sizes.sum()
+
+
+def test_pad_rows_for_windows():
+    # padded: every block's window inside, zeros after x; reading past the end: x as it is
+    # where its rows are whole 8-row tiles and at least one window
+    x = random_x(24, 128, seed=3)
+    assert fmm.pad_rows_for_windows(x, 8, past_end=True) is x
+    assert fmm.pad_rows_for_windows(x, 16, past_end=True) is x  # a window of 24 rows
+    for t, bm, past_end in ((24, 8, False), (16, 16, True), (21, 8, True)):
+        xp = fmm.pad_rows_for_windows(random_x(t, 128, seed=3), bm, past_end=past_end)
+        last_window = (t - 1) // 8 * 8  # the latest start of a block's window
+        assert xp.shape[0] % 8 == 0 and xp.shape[0] >= last_window + bm + 8
+        assert not np.any(np.asarray(xp[t:], np.float32))
+
+
+def test_grouped_plan_lowers_for_cuda():
+    modules = cuda_lowering.triton_modules(
+        lambda g: fmm.grouped_plan(g, 128, 8, kernel=True), jnp.zeros((128,), jnp.int32)
+    )
+    assert len(modules) == 1 and "tt.func" in modules[0]
 
 
 @pytest.mark.gpu
@@ -419,6 +469,8 @@ def test_oversized_config_is_refused():
         ("w4a4", fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         ("grouped", None),
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
+        # the plan in a Triton kernel, x read past its end
+        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, prologue="kernel")),
     ],
 )
 def test_lowers_for_cuda(m, cfg):
