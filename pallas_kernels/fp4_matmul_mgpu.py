@@ -93,10 +93,12 @@ class MgpuMatmulConfig:
         fp32 partials summed in XLA) or "warpgroups" (one warpgroup per part in one program,
         each with its own buffers; the sums are added in shared memory and the output scaled
         and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2).
-      prologue: grouped form, the work before the kernel (``grouped_plan``,
+      prologue: grouped form, the work around the kernel (``grouped_plan``,
         ``pad_rows_for_windows``): "xla" (the row-block plan in XLA ops, x padded for every
-        window) or "kernel" (the plan in one Triton launch; x read as it is where its rows are
-        whole 8-row tiles and at least one window, TMA filling the window rows past its end).
+        window, the rows past the routed ones zeroed after the kernel) or "kernel" (the plan
+        in one Triton launch; x read as it is where its rows are whole 8-row tiles and at least
+        one window, TMA filling the window rows past its end; the unrouted rows zeroed by the
+        kernel's last row block, which no routing uses).
     """
 
     block_k: int = 256
@@ -649,6 +651,7 @@ def _grouped_kernel(
     cfg,
     steps,
     fmt,
+    num_blocks,
 ):
     b = lax.axis_index("b")
     tn = lax.axis_index("n")
@@ -673,6 +676,35 @@ def _grouped_kernel(
             mpad=cfg.block_m + _ROW_ALIGN,
             scale_format=fmt,
         )
+
+    if cfg.prologue == "kernel":  # the rows past the routed ones come out zero
+
+        @pl.when(b == num_blocks - 1)  # never a routed block (``num_row_blocks``)
+        def _():
+            _zero_rows(o_gmem.at[:, cols], first, cfg.warpgroups)
+
+
+def _zero_rows(out, first, nwg: int) -> None:
+    """Zero the rows ``first, first + 1, ...`` to the end of ``out`` [T, nwg * 64] (gmem): each
+    warpgroup its 64 columns, one TMA row at a time from a zero row in shared memory."""
+    wg = lax.axis_index("wg") if nwg > 1 else 0
+
+    def body(z_smem):
+        z_smem[...] = jnp.zeros(z_smem.shape, z_smem.dtype)
+        plgpu.commit_smem()
+
+        def one(r, _):
+            plgpu.copy_smem_to_gmem(
+                z_smem.at[wg, pl.ds(0, 1)], out.at[pl.ds(r, 1), pl.ds(wg * _TILE_N, _TILE_N)]
+            )
+
+        lax.fori_loop(first, out.shape[0], one, None)
+        plgpu.wait_smem_to_gmem(0)
+
+    collective = ("wg",) if nwg > 1 else ()
+    pl.run_scoped(
+        body, plgpu.SMEM((nwg, _ROW_ALIGN, _TILE_N), out.dtype), collective_axes=collective
+    )
 
 
 def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
@@ -818,8 +850,8 @@ def num_row_blocks(rows: int, experts: int, block_m: int) -> int:
 
 def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     """Split each expert's rows into blocks of ``block_m``: per block [B] its expert, first row
-    and number of valid rows (0 past the last block), B = ``num_row_blocks`` (the plan in XLA
-    ops: the reference of ``_plan_kernel``)."""
+    and number of valid rows (``GroupedPlan``), B = ``num_row_blocks`` (the plan in XLA ops:
+    the reference of ``_plan_kernel``)."""
     e = group_sizes.shape[0]
     nblocks = num_row_blocks(rows, e, block_m)
     sizes = group_sizes.astype(jnp.int32)
@@ -830,8 +862,9 @@ def _row_blocks(group_sizes: jax.Array, rows: int, block_m: int):
     find = functools.partial(jnp.searchsorted, side="right", method="compare_all")
     be = jnp.minimum(find(bend, b), e - 1).astype(jnp.int32)
     j = b - (bend - nb)[be]
-    valid = jnp.where(b < bend[-1], jnp.minimum(block_m, sizes[be] - j * block_m), 0)
-    return be, starts[be] + j * block_m, valid
+    used = b < bend[-1]
+    valid = jnp.where(used, jnp.minimum(block_m, sizes[be] - j * block_m), 0)
+    return be, jnp.where(used, starts[be] + j * block_m, jnp.sum(sizes)), valid
 
 
 def grouped_partials(
@@ -853,11 +886,12 @@ def grouped_partials(
     written."""
     e, k, n = w.shape
     steps = k // cfg.block_k
+    nb = num_row_blocks(rows, e, cfg.block_m)
     threads = dict(num_threads=cfg.warpgroups, thread_name="wg") if cfg.warpgroups > 1 else {}
     kernel = plgpu.kernel(
-        functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format),
+        functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format, num_blocks=nb),
         out_type=jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),
-        grid=(num_row_blocks(rows, e, cfg.block_m), n // (_TILE_N * cfg.warpgroups)),
+        grid=(nb, n // (_TILE_N * cfg.warpgroups)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -912,6 +946,8 @@ def fp4_grouped_matmul_mgpu(
     y = grouped_partials(
         xp, w, plan.expert, plan.first_row, plan.valid, cfg, rows=t, interpret=interpret
     )
+    if lean:  # the kernel zeroes the rows past the routed ones
+        return y
     # rows past the routed ones belong to no block (in the model's use there are none)
     routed = jnp.arange(t) < jnp.sum(group_sizes)
     return jnp.where(routed[:, None], y, 0)
@@ -921,7 +957,8 @@ def fp4_grouped_matmul_mgpu(
 @dataclasses.dataclass(frozen=True)
 class GroupedPlan:
     """Row blocks of a routing (``grouped_plan``), per block [B] int32: its expert, first row
-    and number of valid rows (0 for the blocks past the routing's last)."""
+    and number of valid rows; the blocks past the routing's last have 0 valid rows and as
+    first row the number of routed rows (where the unrouted ones start)."""
 
     expert: jax.Array
     first_row: jax.Array
@@ -951,10 +988,10 @@ def _plan_kernel(sizes_ref, expert_ref, first_ref, valid_ref, *, block_m: int, e
         return jnp.sum(jnp.where(onehot, v[None, :], 0), axis=1)
 
     j = block - pick(bend - nb)
-    valid = jnp.minimum(block_m, pick(sizes) - j * block_m)
+    used = block < jnp.sum(nb)
     expert_ref[...] = be
-    first_ref[...] = pick(ends - sizes) + j * block_m
-    valid_ref[...] = jnp.where(block < jnp.sum(nb), valid, 0)
+    first_ref[...] = jnp.where(used, pick(ends - sizes) + j * block_m, jnp.sum(sizes))
+    valid_ref[...] = jnp.where(used, jnp.minimum(block_m, pick(sizes) - j * block_m), 0)
 
 
 def _pow2(v: int) -> int:

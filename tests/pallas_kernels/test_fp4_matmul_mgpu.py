@@ -260,9 +260,10 @@ def _experts(e, k, n, seed, scale=0.05):
         ((0, 0, 3, 0, 0, 0), 3, 256, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
         ((2, 7, 0, 9, 1, 3), 22, 256, None),
         # the plan in a Triton kernel; whole 8-row tiles, so x is not padded and the last
-        # windows reach past its rows
+        # windows reach past its rows; rows past the routed ones zeroed by the kernel
         ((5, 0, 11, 8), 24, 256, fmm.MgpuMatmulConfig(block_k=128, prologue="kernel")),
         ((0, 7, 0, 9, 1, 3), 22, 256, fmm.MgpuMatmulConfig(block_k=64, prologue="kernel")),
+        ((4, 9, 0), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, prologue="kernel")),
         # two warpgroups: 128 columns per program sharing each activation tile; an odd number
         # of K steps in the second
         ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
@@ -335,8 +336,9 @@ def test_grouped_plan_kernel_equals_xla_plan(experts, rows, block_m):
         for got, ref in zip((plan.expert, plan.first_row, plan.valid), want, strict=True):
             assert got.shape[0] >= nblocks and got.dtype == jnp.int32
             np.testing.assert_array_equal(np.asarray(got)[:nblocks], np.asarray(ref))
-        assert not np.any(np.asarray(plan.valid)[nblocks:])
-        assert int(np.asarray(plan.valid).sum()) == sizes.sum()
+        valid, first = np.asarray(plan.valid), np.asarray(plan.first_row)
+        assert not np.any(valid[nblocks:]) and valid.sum() == sizes.sum()
+        assert np.all(first[valid == 0] == sizes.sum())  # where the unrouted rows start
 
 
 def test_pad_rows_for_windows():
