@@ -375,6 +375,14 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
+    # the plan in a Triton kernel, x read past its end, unrouted rows zeroed in the kernel
+    lean = dataclasses.replace(fmm.default_grouped_config(tokens * top, e, k), prologue="kernel")
+    assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs, lean), ref)
+    part = jnp.minimum(gs, 1)  # one row of each expert hit routed: the rest come out zero
+    y = fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, part, lean)
+    routed = int(part.sum())
+    assert not np.any(np.asarray(y[routed:], np.float32))
+    assert_close(y[:routed], gm.fp4_grouped_matmul_reference(x, qt, part)[:routed])
 
 
 @pytest.mark.gpu
