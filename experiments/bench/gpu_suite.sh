@@ -21,6 +21,7 @@ STEPS=(
   "attention-fused|300|$PY $BENCH/fp4_attention.py --fused"
   "matmul-table|590|$PY $BENCH/fp4_matmul.py"
   "matmul-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/fp4/test_quantize.py tests/pallas_kernels/test_fp4_activation.py tests/pallas_kernels/test_fp4_matmul_mgpu.py"
+  "matmul-grouped-tests|240|$PY -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp4_matmul_mgpu.py -k grouped"
   "matmul-w4a4|240|$PY $BENCH/fp4_matmul.py --w4a4 --ms 1,16,64"
   "matmul-grouped|300|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64 --variants '256,3,8,1,kernel;128,4,8,2,kernel'"
   "matmul-moe-layer|200|$PY $BENCH/fp4_matmul.py --moe-layer --ms 16,64"
