@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -891,8 +892,9 @@ def w4a4_rows(log, ms, shapes):
 
 def grouped_bounds(log, token_counts=(16, 64), variants=()):
     """The grouped tensor-core kernel at its default: the whole op (routing plan, padding,
-    kernel, masking of unrouted rows in XLA) against the kernel alone (``fmm.grouped_partials`` on a
-    plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes.
+    kernel, masking of unrouted rows in XLA) against the kernel alone (``fmm.grouped_partials``
+    on a plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes;
+    the routing plan alone, in XLA and in its Triton kernel (``grouped_plan``).
     ``variants``: (block_k, stages, block_m, warpgroups[, prologue]) tilings whose whole op
     is timed too (prologue "xla" where not given, or "kernel": ``MgpuMatmulConfig.prologue``)."""
     rows = []
@@ -924,10 +926,16 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
             kern = lambda x, w, p, c=cfg, t=t_rows: fmm.grouped_partials(  # noqa: E731
                 x, w.mgpu, p.expert, p.first_row, p.valid, c, rows=t
             )
+            # the routing plan alone, XLA's and the Triton kernel's, over CALLS distinct
+            # routings (no two calls of a timed program alike for XLA to merge)
+            routings = [(route(tokens, 500 + i),) for i in range(CALLS)]
+            plan = functools.partial(fmm.grouped_plan, rows=t_rows, block_m=cfg.block_m)
             times = dict(
                 whole=time_op(whole, list(zip(xs, packed, gss, strict=True))) if ok else np.nan,
                 kernel=time_op(kern, list(zip(xps, packed, plans, strict=True))),
                 ragged_dot_bf16=time_op(ragged, list(zip(xs, wb, gss, strict=True))),
+                plan_xla=time_op(plan, routings),
+                plan_kernel=time_op(functools.partial(plan, kernel=True), routings),
             )
             for bk, st, bm, wg, *prologue in variants:
                 c = fmm.MgpuMatmulConfig(
@@ -957,14 +965,16 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
             rows.append((k, n, tokens, active, times, wbytes))
         del packed, wb
     print("\n| K | N | tokens | experts hit | whole op (us) | kernel alone | ragged_dot bf16 | "
-          "speedup (whole / kernel) | HBM % on expert bytes (whole / kernel) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "speedup (whole / kernel) | HBM % on expert bytes (whole / kernel) | "
+          "plan alone, XLA / kernel (us) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k, n, tokens, active, t, wb in rows:
         tw, tk, tb = t["whole"], t["kernel"], t["ragged_dot_bf16"]
         print(
             f"| {k} | {n} | {tokens} | {active} | {tw * 1e6:.1f} | {tk * 1e6:.1f} | "
             f"{tb * 1e6:.1f} | {tb / tw:.2f}x / {tb / tk:.2f}x | "
-            f"{100 * wb / tw / HBM_BYTES_PER_S:.0f} / {100 * wb / tk / HBM_BYTES_PER_S:.0f} |"
+            f"{100 * wb / tw / HBM_BYTES_PER_S:.0f} / {100 * wb / tk / HBM_BYTES_PER_S:.0f} | "
+            f"{t['plan_xla'] * 1e6:.1f} / {t['plan_kernel'] * 1e6:.1f} |"
         )
     return rows
 
