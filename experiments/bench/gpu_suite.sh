@@ -26,6 +26,7 @@ STEPS=(
   "matmul-grouped|300|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64 --variants '256,3,8,1,kernel;128,4,8,2,kernel'"
   "matmul-moe-layer|200|$PY $BENCH/fp4_matmul.py --moe-layer --ms 16,64"
   "matmul-k-split|240|$PY $BENCH/fp4_matmul.py --mgpu --ms 1,16 --variants '256,3,2,1,wk;128,4,2,1,wk;256,4,2,1,wk'"
+  "matmul-short-k|300|$PY $BENCH/fp4_matmul.py --mgpu --ms 64,128,256 --shapes 4096,14336 --variants '128,3,1,1;64,4,1,1;128,3,2,2;64,4,2,2;128,4,2,1,wk;64,3,2,1,wk;128,3,2,1'"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
 )
