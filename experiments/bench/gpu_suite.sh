@@ -28,6 +28,7 @@ STEPS=(
   "matmul-k-split|240|$PY $BENCH/fp4_matmul.py --mgpu --ms 1,16 --variants '256,3,2,1,wk;128,4,2,1,wk;256,4,2,1,wk'"
   "matmul-short-k|300|$PY $BENCH/fp4_matmul.py --mgpu --ms 64,128,256 --shapes 4096,14336 --variants '128,3,1,1;64,4,1,1;128,3,2,2;64,4,2,2;128,4,2,1,wk;64,3,2,1,wk;128,3,2,1'"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
+  "rollout-qwen3|500|for e in 'xla --formats bf16' 'pallas --formats nvfp4' 'pallas --formats bf16'; do $PY $BENCH/rollout_cpu.py --preset qwen3-30b-a3b --layers 4 --batch 32 --prompt-len 64 --new 128 --repeats 2 --backends \$e; done"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
 )
 

@@ -1,7 +1,11 @@
 """Rollout tokens/s of the tiny model per KV-cache format (a smoke figure on any device).
 
     PYTHONPATH=. python3 experiments/bench/rollout_cpu.py [--preset tiny --batch 16 --new 64]
-        [--backends xla,pallas --formats bf16,nvfp4]
+        [--backends xla,pallas --formats bf16,nvfp4] [--layers N]
+
+``--layers`` keeps a preset's layer shapes with fewer layers (e.g. ``--preset qwen3-30b-a3b
+--layers 4`` on one GPU: the real model's matrices, experts and attention heads, so the decode
+step's weight and cache bytes are those the kernels were built for).
 
 For each cache format it builds an engine (BF16 policy for the ``bf16``/``fp8`` caches; FP4
 weights, activations and cache with TRACE guidance recorded in the deeper half for ``nvfp4`` and
@@ -35,8 +39,11 @@ def bench(
     repeats: int,
     formats=FORMATS,
     backends=("xla",),
+    layers: int | None = None,
 ) -> list[dict]:
     cfg = ModelConfig.preset(preset).replace(dtype="bfloat16")
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
     model = Transformer(cfg, nnx.Rngs(0))
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt_len)).tolist()
     rows = []
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--backends", default="xla")
+    parser.add_argument("--layers", type=int, default=None, help="the preset with N layers")
     args = parser.parse_args(argv)
     rows = bench(
         args.preset,
@@ -94,8 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats,
         formats=args.formats.split(","),
         backends=args.backends.split(","),
+        layers=args.layers,
     )
-    print(f"device: {jax.devices()[0].device_kind}; preset {args.preset}, batch {args.batch}")
+    layers = "" if args.layers is None else f" (layers: {args.layers})"
+    print(
+        f"device: {jax.devices()[0].device_kind}; preset {args.preset}{layers}, batch {args.batch}"
+    )
     print(
         f"{'backend':7s} {'kv cache':8s} {'W/A':5s} {'tokens':>7s} {'s':>7s} {'tokens/s':>9s} "
         f"{'cache B':>10s}"

@@ -80,6 +80,11 @@ def test_bench_scripts_print_their_tables(capsys):
     assert rows[1]["cache_bytes"] < rows[0]["cache_bytes"] / 2
     out = capsys.readouterr().out
     assert "qwen3-30b-a3b" in out and "full/compact" in out
+    # a preset's layer shapes with fewer layers
+    rollout_cpu.main(["--preset", "tiny", "--layers", "2", "--batch", "2", "--prompt-len", "3",
+                      "--new", "2", "--repeats", "1", "--formats", "bf16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "preset tiny (layers: 2)" in out and "\nxla     bf16     bf16        4 " in out
 
 
 SMALL_RL = [
