@@ -93,6 +93,9 @@ class MgpuMatmulConfig:
         fp32 partials summed in XLA) or "warpgroups" (one warpgroup per part in one program,
         each with its own buffers; the sums are added in shared memory and the output scaled
         and rounded in the kernel; needs ``warpgroups`` 1 and ``split_k`` 2).
+      tiles: grouped form, output tiles (of ``warpgroups`` x 64 columns) one program computes
+        one after another, their weights streamed through one pipeline (the next tile's first
+        buffers load while this one's last steps and output run; one start-up per program).
       prologue: grouped form, the work around the kernel (``grouped_plan``,
         ``pad_rows_for_windows``): "xla" (the row-block plan in XLA ops, x padded for every
         window, the rows past the routed ones zeroed after the kernel) or "kernel" (the plan
@@ -109,6 +112,7 @@ class MgpuMatmulConfig:
     warpgroups: int = 1
     split_in: SplitIn = "grid"
     prologue: Prologue = "xla"
+    tiles: int = 1
 
     def __post_init__(self):
         if self.block_k < _CHUNK or self.block_k % _CHUNK:
@@ -129,6 +133,15 @@ class MgpuMatmulConfig:
             raise ValueError(f"MgpuMatmulConfig.decode: unknown {self.decode!r}")
         if self.prologue not in ("xla", "kernel"):
             raise ValueError(f"MgpuMatmulConfig.prologue: unknown {self.prologue!r}")
+        if self.tiles < 1 or (self.tiles > 1 and (self.split_k != 1 or self.split_in != "grid")):
+            raise ValueError(
+                f"MgpuMatmulConfig.tiles must be >= 1, above 1 without a K split: {self}"
+            )
+
+
+def _divmod(a, b: int):
+    """``divmod`` of a static or traced non-negative step index."""
+    return divmod(a, b) if isinstance(a, int) else (lax.div(a, b), lax.rem(a, b))
 
 
 def _threads(cfg: MgpuMatmulConfig) -> int:
@@ -450,6 +463,12 @@ def _stream(
     warpgroups share each buffer's activation tile; warpgroup 0 refills a buffer once every
     warpgroup has marked it consumed. The buffers (``_scratch``) live for the K loop only: the
     fp32 result is staged for its copy to ``out`` in the same shared memory after it.
+
+    With ``cfg.tiles`` T > 1 (``rows`` only): ``w_tiles``, ``s_tiles`` hold T W tiles and
+    ``out``'s columns T W * 64; the program computes the T groups of W tiles one after another
+    on one pipeline of T * ``steps`` steps (buffers refilled across the groups' boundaries),
+    writing each group's rows from a staging buffer of its own while the next group's first
+    buffers load.
     """
     ksplit = cfg.split_in == "warpgroups"  # the warpgroups split K for one 64-row tile
     nwg = _threads(cfg)
@@ -458,19 +477,28 @@ def _stream(
     chunks = cfg.block_k // _CHUNK
     xi = wg if ksplit else 0  # the warpgroup's activation buffers
     tile = 0 if ksplit else wg  # its 64 output rows
+    tiles = cfg.tiles
+    total = tiles * steps  # the pipeline's steps, over the groups of tiles one after another
+    if tiles > 1 and (rows is None or ksplit):
+        raise ValueError(f"_stream: tiles > 1 needs token-major rows and no K split: {cfg}")
     decode = functools.partial(
         _decode_portable if cfg.decode == "portable" else _decode_asm, scale_format=scale_format
     )
     if cfg.decode == "none":
         decode = functools.partial(decode, arithmetic=False)
 
-    def k_loop(x_smem, w_smem, s_smem, bar, consumed=None, a_smem=None):
+    def k_loop(x_smem, w_smem, s_smem, bar, consumed=None, a_smem=None, t_smem=None):
         def barrier(slot):
             return bar.at[wg * cfg.stages + slot] if ksplit else bar.at[slot]
 
         def issue(step, slot):
+            group = slice(None)
+            if tiles > 1:  # the group of tiles this step belongs to, and its step in K
+                t, step = _divmod(step, steps)
+                group = pl.ds(t * nwg, nwg)
             kc = k0 + ((wg * steps if ksplit else 0) + step) * chunks
-            w_src, s_src = w_tiles.at[:, pl.ds(kc, chunks)], s_tiles.at[:, pl.ds(kc, chunks)]
+            w_src = w_tiles.at[group, pl.ds(kc, chunks)]
+            s_src = s_tiles.at[group, pl.ds(kc, chunks)]
             w_dst, s_dst = w_smem.at[slot], s_smem.at[slot]
             if ksplit:  # this warpgroup's part of K of the one weight tile
                 w_dst, s_dst = w_smem.at[slot, pl.ds(wg, 1)], s_smem.at[slot, pl.ds(wg, 1)]
@@ -482,7 +510,7 @@ def _stream(
 
         @pl.when((wg == 0) | ksplit)
         def _():
-            for s in range(min(cfg.stages, steps)):
+            for s in range(min(cfg.stages, total)):
                 issue(s, s)
 
         def one_step(acc_ref, step):
@@ -503,28 +531,28 @@ def _stream(
             plgpu.wgmma_wait(chunks)
             refill = step - 1 + cfg.stages
             prev = lax.rem(refill, cfg.stages)
-            if isinstance(step, int) and not 0 < step < steps - cfg.stages + 1:
-                return  # the odd last step (a static index): nothing to refill, none traced
+            if isinstance(step, int) and not 0 < step < total - cfg.stages + 1:
+                return  # a static step (odd last ones): nothing to refill, none traced
             if ksplit:  # each warpgroup refills its own buffers
 
-                @pl.when((step > 0) & (refill < steps))
+                @pl.when((step > 0) & (refill < total))
                 def _():
                     issue(refill, prev)
 
                 return
             if nwg > 1:
 
-                @pl.when((step > 0) & (refill < steps))
+                @pl.when((step > 0) & (refill < total))
                 def _():
                     plgpu.barrier_arrive(consumed.at[prev])
 
-            @pl.when((wg == 0) & (step > 0) & (refill < steps))
+            @pl.when((wg == 0) & (step > 0) & (refill < total))
             def _():
                 if nwg > 1:
                     plgpu.barrier_wait(consumed.at[prev])
                 issue(refill, prev)
 
-        def run(acc_ref):
+        def run(acc_ref, base=0):
             # A wgmma reads its register operand until it is retired, and a PTX register written
             # in the loop body is the same register in every iteration: with one step per
             # iteration the next step's decode would overwrite operands that this step's MMAs
@@ -532,17 +560,63 @@ def _stream(
             # own registers, and each step's wait retires the step before it, the last to use
             # the registers it writes.
             def two_steps(i, _):
-                one_step(acc_ref, 2 * i)
-                one_step(acc_ref, 2 * i + 1)
+                one_step(acc_ref, base + 2 * i)
+                one_step(acc_ref, base + 2 * i + 1)
 
             lax.fori_loop(0, steps // 2, two_steps, None)
             if steps % 2:
-                one_step(acc_ref, steps - 1)
+                one_step(acc_ref, base + steps - 1)
             return acc_ref[...]  # waits for every MMA
 
-        return pl.run_scoped(run, plgpu.ACC((_TILE_N, mpad), jnp.float32))
+        acc_type = plgpu.ACC((_TILE_N, mpad), jnp.float32)
+        if tiles == 1:
+            return pl.run_scoped(run, acc_type)
+        for t in range(tiles):  # each group's sums, then its rows, while the next group loads
+            acc = pl.run_scoped(functools.partial(run, base=t * steps), acc_type)
+            col = t * nwg + wg
+            write_rows(finish(acc, col), t_smem, col, read_only=True)
+        plgpu.wait_smem_to_gmem(0)
+        return None
+
+    def finish(acc, col):
+        """The sums of output tile ``col`` of ``out`` scaled and rounded, where ``scale``."""
+        if scale is None:
+            return acc
+        out_scale = plgpu.load(
+            scale.at[pl.ds(col * _TILE_N, _TILE_N)],
+            layout=plgpu.Layout.WGMMA.reduce(1),
+            optimized=False,  # 64 floats straight from global memory, once per tile
+        )
+        acc = acc * lax.broadcast_in_dim(out_scale, acc.shape, [0])
+        if token_scale is not None:
+            col_scale = plgpu.load(
+                token_scale, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False
+            )
+            acc = acc * lax.broadcast_in_dim(col_scale, acc.shape, [1])
+        return acc.astype(out.dtype)
+
+    def write_rows(acc, t_smem, col, read_only=False):
+        """Token-major: each valid token's 64 outputs of tile ``col`` one TMA row, through
+        ``t_smem``; waits until the copies have read it (``read_only``) or are done."""
+        first, count, at = rows
+
+        @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
+        def _():
+            t_smem.at[wg].T[...] = acc
+            plgpu.commit_smem()
+
+            def one(j, _):
+                plgpu.copy_smem_to_gmem(
+                    t_smem.at[wg, pl.ds(first + j, 1)],
+                    out.at[pl.ds(at + j, 1), pl.ds(col * _TILE_N, _TILE_N)],
+                )
+
+            lax.fori_loop(0, count, one, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
     acc = pl.run_scoped(k_loop, **_scratch(cfg, cfg.stages, mpad), collective_axes=collective)
+    if tiles > 1:  # written in the loop's scope
+        return
     if ksplit:  # the parts' sums added in shared memory, in part order
 
         def add_parts(parts_smem, done):
@@ -564,40 +638,12 @@ def _stream(
             plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
             collective_axes=collective,
         )
-    if scale is not None:
-        out_scale = plgpu.load(
-            scale.at[pl.ds(tile * _TILE_N, _TILE_N)],
-            layout=plgpu.Layout.WGMMA.reduce(1),
-            optimized=False,  # 64 floats straight from global memory, once per program
-        )
-        acc = acc * lax.broadcast_in_dim(out_scale, acc.shape, [0])
-        if token_scale is not None:
-            col_scale = plgpu.load(
-                token_scale, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False
-            )
-            acc = acc * lax.broadcast_in_dim(col_scale, acc.shape, [1])
-        acc = acc.astype(out.dtype)
-
+    acc = finish(acc, tile)
     if rows is not None:  # token-major: each valid token's 64 outputs are one TMA row
-        first, count, at = rows
-
-        def store_rows(t_smem):
-            @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
-            def _():
-                t_smem.at[wg].T[...] = acc
-                plgpu.commit_smem()
-
-                def one(j, _):
-                    plgpu.copy_smem_to_gmem(
-                        t_smem.at[wg, pl.ds(first + j, 1)],
-                        out.at[pl.ds(at + j, 1), pl.ds(tile * _TILE_N, _TILE_N)],
-                    )
-
-                lax.fori_loop(0, count, one, None)
-                plgpu.wait_smem_to_gmem(0)
-
         t_smem = plgpu.SMEM((nwg, mpad, _TILE_N), out.dtype)
-        pl.run_scoped(store_rows, t_smem, collective_axes=collective)
+        pl.run_scoped(
+            lambda t_smem: write_rows(acc, t_smem, tile), t_smem, collective_axes=collective
+        )
         return
 
     def store(o_smem):
@@ -659,14 +705,15 @@ def _grouped_kernel(
     first = row_gmem[b]
     offset = lax.rem(first, _ROW_ALIGN)
     row = pl.multiple_of(first - offset, _ROW_ALIGN)  # a tiled TMA window starts on a tile row
-    cols = pl.ds(tn * cfg.warpgroups * _TILE_N, cfg.warpgroups * _TILE_N)
+    per = cfg.warpgroups * cfg.tiles  # 64-column tiles per program
+    cols = pl.ds(tn * per * _TILE_N, per * _TILE_N)
 
     @pl.when(valid_gmem[b] > 0)
     def _():
         _stream(
             x_gmem.at[pl.ds(row, cfg.block_m + _ROW_ALIGN)],
-            w_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
-            s_gmem.at[e, pl.ds(tn * cfg.warpgroups, cfg.warpgroups)],
+            w_gmem.at[e, pl.ds(tn * per, per)],
+            s_gmem.at[e, pl.ds(tn * per, per)],
             o_gmem.at[:, cols],
             scale=scale_gmem.at[e, cols],
             rows=(offset, valid_gmem[b], first),
@@ -685,18 +732,22 @@ def _grouped_kernel(
 
 
 def _zero_rows(out, first, nwg: int) -> None:
-    """Zero the rows ``first, first + 1, ...`` to the end of ``out`` [T, nwg * 64] (gmem): each
-    warpgroup its 64 columns, one TMA row at a time from a zero row in shared memory."""
+    """Zero the rows ``first, first + 1, ...`` to the end of ``out`` [T, tiles * nwg * 64]
+    (gmem): warpgroup ``wg`` the 64 columns of tiles ``wg``, ``wg + nwg``, ..., one TMA row
+    at a time from a zero row in shared memory."""
     wg = lax.axis_index("wg") if nwg > 1 else 0
+    tiles = out.shape[1] // (nwg * _TILE_N)
 
     def body(z_smem):
         z_smem[...] = jnp.zeros(z_smem.shape, z_smem.dtype)
         plgpu.commit_smem()
 
         def one(r, _):
-            plgpu.copy_smem_to_gmem(
-                z_smem.at[wg, pl.ds(0, 1)], out.at[pl.ds(r, 1), pl.ds(wg * _TILE_N, _TILE_N)]
-            )
+            for t in range(tiles):
+                plgpu.copy_smem_to_gmem(
+                    z_smem.at[wg, pl.ds(0, 1)],
+                    out.at[pl.ds(r, 1), pl.ds((t * nwg + wg) * _TILE_N, _TILE_N)],
+                )
 
         lax.fori_loop(first, out.shape[0], one, None)
         plgpu.wait_smem_to_gmem(0)
@@ -722,6 +773,8 @@ def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
         scratch["consumed"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
     if cfg.decode == "portable":
         scratch["a_smem"] = plgpu.SMEM((nwg, _TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
+    if cfg.tiles > 1:  # each group's rows staged beside the pipeline's buffers
+        scratch["t_smem"] = plgpu.SMEM((nwg, mpad, _TILE_N), jnp.bfloat16)
     return scratch
 
 
@@ -806,6 +859,8 @@ def fp4_matmul_mgpu(
     cfg = cfg or default_config(m, k, n)
     if interpret and cfg.decode == "asm":
         cfg = dataclasses.replace(cfg, decode="portable")
+    if cfg.tiles != 1:
+        raise ValueError(f"fp4_matmul_mgpu: MgpuMatmulConfig.tiles is for the grouped form: {cfg}")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"fp4_matmul_mgpu: K={k} is not a multiple of {cfg.block_k * cfg.split_k}")
     mpad = _round_up(m, _ROW_ALIGN)
@@ -891,7 +946,7 @@ def grouped_partials(
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format, num_blocks=nb),
         out_type=jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),
-        grid=(nb, n // (_TILE_N * cfg.warpgroups)),
+        grid=(nb, n // (_TILE_N * cfg.warpgroups * cfg.tiles)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -934,9 +989,10 @@ def fp4_grouped_matmul_mgpu(
         raise ValueError(f"fp4_grouped_matmul_mgpu: K={k} is not a multiple of {cfg.block_k}")
     bm = cfg.block_m
     steps = k // cfg.block_k
-    if n % (_TILE_N * cfg.warpgroups):
+    if n % (_TILE_N * cfg.warpgroups * cfg.tiles):
         raise ValueError(
-            f"fp4_grouped_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}"
+            f"fp4_grouped_matmul_mgpu: N={n} is not a multiple of "
+            f"{64 * cfg.warpgroups * cfg.tiles} (64 x warpgroups x tiles)"
         )
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages, steps), split_k=1)
     _check_smem(cfg, cfg.stages, bm + _ROW_ALIGN, "fp4_grouped_matmul_mgpu")

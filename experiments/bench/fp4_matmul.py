@@ -895,8 +895,8 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
     kernel, masking of unrouted rows in XLA) against the kernel alone (``fmm.grouped_partials``
     on a plan made beforehand) and XLA's ``ragged_dot`` on BF16 weights; HBM % on expert bytes;
     the routing plan alone, in XLA and in its Triton kernel (``grouped_plan``).
-    ``variants``: (block_k, stages, block_m, warpgroups[, prologue]) tilings whose whole op
-    is timed too (prologue "xla" where not given, or "kernel": ``MgpuMatmulConfig.prologue``)."""
+    ``variants``: (block_k, stages, block_m, warpgroups, prologue, tiles) tilings
+    (``_grouped_variants``) whose whole op is timed too."""
     rows = []
     for k, n in GROUPED_SHAPES:
         packed, wb = [], []
@@ -937,9 +937,9 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
                 plan_xla=time_op(plan, routings),
                 plan_kernel=time_op(functools.partial(plan, kernel=True), routings),
             )
-            for bk, st, bm, wg, *prologue in variants:
+            for bk, st, bm, wg, prologue, tiles in variants:
                 c = fmm.MgpuMatmulConfig(
-                    block_k=bk, stages=st, block_m=bm, warpgroups=wg, prologue=(*prologue, "xla")[0]
+                    block_k=bk, stages=st, block_m=bm, warpgroups=wg, prologue=prologue, tiles=tiles
                 )
                 fn = lambda x, w, g, c=c: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
                 try:
@@ -951,7 +951,7 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
                     print(f"grouped {c}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     t = float("nan")
                 print(f"  grouped k={k} tokens={tokens} bk={bk} st={st} bm={bm} wg={wg} "
-                      f"{c.prologue}: {t * 1e6:.1f} us", flush=True)  # fmt: skip
+                      f"tiles={tiles} {prologue}: {t * 1e6:.1f} us", flush=True)  # fmt: skip
                 log.append(dict(grouped=f"k={k} tokens={tokens}", cfg=str(c), us=t * 1e6))
             active = int(np.count_nonzero(np.asarray(gss[0])))
             wbytes = active * (n * k // 2 + n * k // 16 + 4 * n)
@@ -1164,25 +1164,27 @@ def _int_tuples(text: str) -> list[tuple[int, ...]]:
 
 
 def _grouped_variants(text: str) -> list[tuple]:
-    """'256,3,8,1;256,3,8,1,kernel' -> (block_k, stages, block_m, warpgroups[, prologue])."""
+    """'256,3,8,1;256,3,8,1,kernel,t2' -> (block_k, stages, block_m, warpgroups, prologue,
+    tiles) tuples: after the four numbers, "xla" or "kernel" (``MgpuMatmulConfig.prologue``,
+    default "xla") and "t<N>" (``tiles``, default 1), in either order."""
     out = []
     for t in text.split(";") if text else []:
         fields = t.split(",")
-        prologue = [] if fields[-1].isdigit() else [fields.pop()]
+        nums, flags = fields[:4], fields[4:]
+        prologue = [f for f in flags if f in ("xla", "kernel")]
+        tiles = [f[1:] for f in flags if f.startswith("t") and f[1:].isdigit()]
         if (
-            len(fields) != 4
-            or not all(v.isdigit() for v in fields)
-            or prologue
-            not in (
-                [],
-                ["xla"],
-                ["kernel"],
-            )
+            len(nums) != 4
+            or not all(v.isdigit() for v in nums)
+            or len(prologue) > 1
+            or len(tiles) > 1
+            or len(prologue) + len(tiles) != len(flags)
         ):
             raise SystemExit(
-                f"--variants: 'block_k,stages,block_m,warpgroups[,xla|kernel]', got {t!r}"
+                "--variants: 'block_k,stages,block_m,warpgroups[,xla|kernel][,t<tiles>]', "
+                f"got {t!r}"
             )
-        out.append((*map(int, fields), *prologue))
+        out.append((*map(int, nums), (prologue or ["xla"])[0], int((tiles or ["1"])[0])))
     return out
 
 
@@ -1233,8 +1235,8 @@ def main(argv=None):
         default="",
         help="--mgpu: tilings 'block_k,stages,split_k,warpgroups[,none][,wk];...' (none: no "
         "decode; wk: K parts on the warpgroups); "
-        "--grouped-bounds: 'block_k,stages,block_m,warpgroups[,xla|kernel];...' (kernel: the "
-        "routing plan in one Triton launch, x read past its end)",
+        "--grouped-bounds: 'block_k,stages,block_m,warpgroups[,xla|kernel][,t<N>];...' (kernel: "
+        "the routing plan in one Triton launch, x read past its end; tN: N tiles per program)",
     )
     ap.add_argument(
         "--shapes", default="", help="--mgpu, --dispatch: 'K,N;...' instead of both dense shapes"

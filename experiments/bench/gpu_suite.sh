@@ -23,7 +23,7 @@ STEPS=(
   "matmul-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/fp4/test_quantize.py tests/pallas_kernels/test_fp4_activation.py tests/pallas_kernels/test_fp4_matmul_mgpu.py"
   "matmul-grouped-tests|240|$PY -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_fp4_matmul_mgpu.py -k grouped"
   "matmul-w4a4|240|$PY $BENCH/fp4_matmul.py --w4a4 --ms 1,16,64"
-  "matmul-grouped|300|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64 --variants '256,3,8,1,kernel;128,4,8,2,kernel'"
+  "matmul-grouped|360|$PY $BENCH/fp4_matmul.py --grouped-bounds --ms 16,64 --variants '256,3,8,1,kernel;256,3,8,1,kernel,t2;256,3,8,1,kernel,t4'"
   "matmul-moe-layer|200|$PY $BENCH/fp4_matmul.py --moe-layer --ms 16,64"
   "matmul-k-split|240|$PY $BENCH/fp4_matmul.py --mgpu --ms 1,16 --variants '256,3,2,1,wk;128,4,2,1,wk;256,4,2,1,wk'"
   "matmul-short-k|300|$PY $BENCH/fp4_matmul.py --mgpu --ms 64,128,256 --shapes 4096,14336 --variants '128,3,1,1;64,4,1,1;128,3,2,2;64,4,2,2;128,4,2,1,wk;64,3,2,1,wk;128,3,2,1'"

@@ -268,12 +268,18 @@ def _experts(e, k, n, seed, scale=0.05):
         # of K steps in the second
         ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
         ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=3, warpgroups=2)),
+        # groups of tiles one after another on one pipeline: refills across the groups, an odd
+        # step count per group, two warpgroups, the unrouted rows of every tile zeroed
+        ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2)),
+        ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=2, tiles=3)),
+        ((5, 2, 9), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, tiles=2)),
+        ((0, 7, 0, 9, 1, 3), 22, 128, fmm.MgpuMatmulConfig(block_k=64, tiles=2, prologue="kernel")),
     ],
 )
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
 def test_grouped_matches_reference(sizes, t, k, cfg, interpret):
     # row counts that are not whole 8-row tiles, expert starts off the tiles
-    e, n = len(sizes), 128
+    e, n = len(sizes), max(128, 64 * cfg.warpgroups * cfg.tiles) if cfg else 128
     qt = _experts(e, k, n, seed=t)
     x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
@@ -312,6 +318,16 @@ def test_grouped_prepack_and_bad_inputs():
         fmm.MgpuMatmulConfig(block_m=12)
     with pytest.raises(ValueError, match="split_in"):
         fmm.MgpuMatmulConfig(split_k=2, warpgroups=2, split_in="warpgroups")
+    with pytest.raises(ValueError, match="tiles"):
+        fmm.MgpuMatmulConfig(tiles=2, split_k=2)
+    with pytest.raises(ValueError, match="grouped form"):
+        fmm.fp4_matmul_mgpu(random_x(4, 128, 0), fmm.prepack_mgpu(_weights(128, 128, 1)),
+                            fmm.MgpuMatmulConfig(block_k=64, tiles=2), interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="64 x warpgroups x tiles"):
+        fmm.fp4_grouped_matmul_mgpu(
+            random_x(4, 128, 0), w.mgpu, jnp.array([4, 0, 0, 0], jnp.int32),
+            fmm.MgpuMatmulConfig(block_k=64, tiles=2), interpret=True,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -383,6 +399,10 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     routed = int(part.sum())
     assert not np.any(np.asarray(y[routed:], np.float32))
     assert_close(y[:routed], gm.fp4_grouped_matmul_reference(x, qt, part)[:routed])
+    # two groups of tiles one after another per program
+    assert_close(
+        fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs, dataclasses.replace(lean, tiles=2)), ref
+    )
 
 
 @pytest.mark.gpu
@@ -481,6 +501,8 @@ def test_oversized_config_is_refused():
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
         # the plan in a Triton kernel, x read past its end
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, prologue="kernel")),
+        # two groups of tiles one after another per program, rows zeroed in the kernel
+        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2, prologue="kernel")),
     ],
 )
 def test_lowers_for_cuda(m, cfg):
