@@ -624,13 +624,13 @@ def _stream(
             plgpu.commit_smem()
             plgpu.barrier_arrive(done.at[0])  # every part is in shared memory
             plgpu.barrier_wait(done.at[0])
-            total = None
+            summed = None
             for i in range(nwg):
                 part = plgpu.load(parts_smem.at[i], layout=plgpu.Layout.WGMMA, optimized=False)
-                total = part if total is None else total + part
+                summed = part if summed is None else summed + part
             plgpu.barrier_arrive(done.at[1])  # every warpgroup has read them (the memory is
             plgpu.barrier_wait(done.at[1])  # the output staging's next)
-            return total
+            return summed
 
         acc = pl.run_scoped(
             add_parts,
