@@ -1022,6 +1022,7 @@ class GroupedPlan:
 
 
 _PLAN_BLOCKS = 16  # row blocks per program of the plan kernel
+PLAN_WARPS = 8  # warps per program of the plan kernel
 
 
 def _plan_kernel(sizes_ref, expert_ref, first_ref, valid_ref, *, block_m: int, experts: int):
@@ -1086,7 +1087,7 @@ def grouped_plan(
         in_specs=[pl.BlockSpec((ep,), lambda i: (0,))],
         out_specs=(blocks, blocks, blocks),
         interpret=interpret,
-        compiler_params=plgpu_triton.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=PLAN_WARPS, num_stages=1),
     )(sizes)
     return GroupedPlan(*fields)
 

@@ -56,6 +56,21 @@ def triton_ir(fmt: str = "nvfp4", overrides: dict | None = None) -> tuple[str, d
     return captured[0], {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def plan_ir(rows: int = 128, experts: int = 128, block_m: int = 8) -> tuple[str, dict]:
+    """The grouped matmul's routing-plan kernel (``fp4_matmul_mgpu.grouped_plan(kernel=True)``)
+    as Triton IR, default the 16-token x top-8 MoE routing, and its launch options."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import cuda_lowering
+    from pallas_kernels import fp4_matmul_mgpu as fmm
+
+    (text,) = cuda_lowering.triton_modules(
+        lambda g: fmm.grouped_plan(g, rows, block_m, kernel=True),
+        jnp.zeros((experts,), jnp.int32),
+    )
+    return text, {"num_warps": fmm.PLAN_WARPS, "num_stages": 1}
+
+
 def compile_sass(ttir: str, num_warps: int, num_stages: int) -> tuple[str, str]:
     """SASS text and resource usage of a Triton IR file compiled for sm_90 (needs ``triton``)."""
     try:
@@ -185,20 +200,28 @@ def loop_stats(sass: str) -> tuple[int, collections.Counter]:
     if span is None:
         raise ValueError("loop_stats: no backward branch in the listing")
     body = [text for addr, text in instrs if span[0] <= addr <= span[1]]
-    ops = collections.Counter(
-        re.sub(r"^@!?U?P[T\d]+\s+", "", text).split()[0].split(".")[0] for text in body
-    )
-    return len(body), ops
+    return len(body), collections.Counter(map(_opcode, body))
+
+
+def _opcode(text: str) -> str:
+    """An instruction's opcode, its predicate and modifiers dropped."""
+    return re.sub(r"^@!?U?P[T\d]+\s+", "", text).split()[0].split(".")[0]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="step", required=True)
     ir = sub.add_parser("ir", help="lower the kernel on the CPU and write its Triton IR")
+    ir.add_argument(
+        "--kernel", default="attention", choices=("attention", "plan"),
+        help="the decode-attention kernel, or the grouped matmul's routing plan",
+    )  # fmt: skip
     ir.add_argument("--fmt", default="nvfp4")
     ir.add_argument("--config", default="{}", help="DecodeAttentionConfig overrides (JSON)")
     ir.add_argument("--out", required=True)
-    sa = sub.add_parser("sass", help="compile a Triton IR file for sm_90 and count the loop")
+    sa = sub.add_parser(
+        "sass", help="compile a Triton IR file for sm_90 and count its loop (or all of it)"
+    )
     sa.add_argument("ttir")
     sa.add_argument("--warps", type=int, required=True)
     sa.add_argument("--stages", type=int, required=True)
@@ -213,7 +236,10 @@ def main(argv=None) -> int:
             print(f"{name}: {sum(ops.values())} instructions ({dict(ops.most_common())})")
         return 0
     if args.step == "ir":
-        text, opts = triton_ir(args.fmt, json.loads(args.config))
+        if args.kernel == "plan":
+            text, opts = plan_ir()
+        else:
+            text, opts = triton_ir(args.fmt, json.loads(args.config))
         Path(args.out).write_text(text)
         print(
             f"wrote {args.out}; compile with --warps {opts['num_warps']} "
@@ -221,9 +247,14 @@ def main(argv=None) -> int:
         )
         return 0
     sass, res = compile_sass(args.ttir, args.warps, args.stages)
-    n, ops = loop_stats(sass)
     print(res)
-    print(f"inner loop: {n} instructions")
+    try:
+        n, ops = loop_stats(sass)
+        print(f"inner loop: {n} instructions")
+    except ValueError:  # a kernel without a loop: every instruction
+        texts = [m.group(2) for m in map(_INSTR.match, sass.splitlines()) if m]
+        ops = collections.Counter(map(_opcode, texts))
+        print(f"no loop: {len(texts)} instructions")
     print(", ".join(f"{op} {c}" for op, c in ops.most_common()))
     return 0
 

@@ -71,3 +71,15 @@ def test_inline_ptx_decodes_keep_their_multiplies():
         assert sum(ops.values()) > 4, (name, ops)
         if "word" in name:  # four bf16 pairs scaled
             assert ops["HMUL2"] >= 1, (name, ops)
+
+
+def test_plan_ir_and_loopless_sass_count():
+    # the grouped matmul's plan kernel lowers to one Triton module with its prefix sums; a
+    # listing without a backward branch has no loop for loop_stats
+    text, opts = offline_sass.plan_ir(rows=64, experts=16, block_m=8)
+    assert "tt.func" in text and "tt.scan" in text and opts["num_stages"] == 1
+    with pytest.raises(ValueError, match="no backward branch"):
+        offline_sass.loop_stats(
+            LISTING.replace("@P0 BRA 0x0030", "NOP").replace("BRA 0x0010", "NOP")
+        )
+    assert offline_sass._opcode("@!P1 IMAD.SHL.U32 R2, R3, 0x10, RZ") == "IMAD"
