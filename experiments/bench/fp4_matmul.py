@@ -1166,7 +1166,7 @@ def _int_tuples(text: str) -> list[tuple[int, ...]]:
 def _grouped_variants(text: str) -> list[tuple]:
     """'256,3,8,1;256,3,8,1,kernel,t2' -> (block_k, stages, block_m, warpgroups, prologue,
     tiles) tuples: after the four numbers, "xla" or "kernel" (``MgpuMatmulConfig.prologue``,
-    default "xla") and "t<N>" (``tiles``, default 1), in either order."""
+    default "kernel") and "t<N>" (``tiles``, default 1), in either order."""
     out = []
     for t in text.split(";") if text else []:
         fields = t.split(",")
@@ -1184,7 +1184,7 @@ def _grouped_variants(text: str) -> list[tuple]:
                 "--variants: 'block_k,stages,block_m,warpgroups[,xla|kernel][,t<tiles>]', "
                 f"got {t!r}"
             )
-        out.append((*map(int, nums), (prologue or ["xla"])[0], int((tiles or ["1"])[0])))
+        out.append((*map(int, nums), (prologue or ["kernel"])[0], int((tiles or ["1"])[0])))
     return out
 
 

@@ -9,10 +9,10 @@ from experiments.bench import fp4_matmul
 def test_grouped_variants():
     got = fp4_matmul._grouped_variants("256,3,8,1;256,3,8,1,kernel;128,4,8,2,t2,xla;256,3,8,1,t4")
     assert got == [
-        (256, 3, 8, 1, "xla", 1),
+        (256, 3, 8, 1, "kernel", 1),
         (256, 3, 8, 1, "kernel", 1),
         (128, 4, 8, 2, "xla", 2),
-        (256, 3, 8, 1, "xla", 4),
+        (256, 3, 8, 1, "kernel", 4),
     ]
     assert fp4_matmul._grouped_variants("") == []
     for bad in (

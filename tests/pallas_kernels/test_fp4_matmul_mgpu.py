@@ -259,11 +259,15 @@ def _experts(e, k, n, seed, scale=0.05):
         ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
         ((0, 0, 3, 0, 0, 0), 3, 256, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
         ((2, 7, 0, 9, 1, 3), 22, 256, None),
-        # the plan in a Triton kernel; whole 8-row tiles, so x is not padded and the last
-        # windows reach past its rows; rows past the routed ones zeroed by the kernel
-        ((5, 0, 11, 8), 24, 256, fmm.MgpuMatmulConfig(block_k=128, prologue="kernel")),
-        ((0, 7, 0, 9, 1, 3), 22, 256, fmm.MgpuMatmulConfig(block_k=64, prologue="kernel")),
-        ((4, 9, 0), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, prologue="kernel")),
+        # the plan in a Triton kernel (the default prologue); whole 8-row tiles, so x is not
+        # padded and the last windows reach past its rows; rows past the routed ones zeroed by
+        # the kernel
+        ((5, 0, 11, 8), 24, 256, fmm.MgpuMatmulConfig(block_k=128)),
+        ((0, 7, 0, 9, 1, 3), 22, 256, fmm.MgpuMatmulConfig(block_k=64)),
+        ((4, 9, 0), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2)),
+        # the plan in XLA ops, x padded for every window, unrouted rows zeroed after the kernel
+        ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, prologue="xla")),
+        ((0, 7, 0, 9, 1, 3), 22, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, prologue="xla")),
         # two warpgroups: 128 columns per program sharing each activation tile; an odd number
         # of K steps in the second
         ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
@@ -273,7 +277,7 @@ def _experts(e, k, n, seed, scale=0.05):
         ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2)),
         ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=2, tiles=3)),
         ((5, 2, 9), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, tiles=2)),
-        ((0, 7, 0, 9, 1, 3), 22, 128, fmm.MgpuMatmulConfig(block_k=64, tiles=2, prologue="kernel")),
+        ((0, 7, 0, 9, 1, 3), 22, 128, fmm.MgpuMatmulConfig(block_k=64, tiles=2, prologue="xla")),
     ],
 )
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
@@ -391,9 +395,12 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
-    # the plan in a Triton kernel, x read past its end, unrouted rows zeroed in the kernel
-    lean = dataclasses.replace(fmm.default_grouped_config(tokens * top, e, k), prologue="kernel")
-    assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs, lean), ref)
+    # the default: the plan in a Triton kernel, x read past its end, unrouted rows zeroed in
+    # the kernel; and the plan in XLA ops
+    lean = fmm.default_grouped_config(tokens * top, e, k)
+    assert lean.prologue == "kernel"
+    xla = dataclasses.replace(lean, prologue="xla")
+    assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs, xla), ref)
     part = jnp.minimum(gs, 1)  # one row of each expert hit routed: the rest come out zero
     y = fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, part, lean)
     routed = int(part.sum())
@@ -455,10 +462,11 @@ def test_decode_default_splits_k_on_warpgroups():
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "warpgroups"), [(40, 128, 2), (40, 64, 1), (200, 64, 1), (100, 128, 2)]
+    ("m", "n", "warpgroups"), [(40, 128, 1), (40, 64, 1), (200, 64, 1), (200, 128, 2)]
 )
 def test_tall_default_configs_run(m, n, warpgroups):
-    # 17-256 rows: two warpgroups where N has whole 128-row tiles; the default fits shared memory
+    # 17-256 rows: two warpgroups where N has whole 128-row tiles, except for up to 128 rows
+    # where that leaves fewer programs than SMs; the default fits shared memory
     k = 256
     cfg = fmm.default_config(m, k, n)
     assert cfg.warpgroups == warpgroups
@@ -476,7 +484,11 @@ def test_default_configs_fit_shared_memory(m, k, n):
     cfg = fmm.default_config(m, k, n)
     assert k % (cfg.block_k * cfg.split_k) == 0
     assert fmm._smem_bytes(cfg, cfg.stages, fmm._round_up(m, 8)) <= fmm._SMEM_LIMIT
-    assert cfg.warpgroups == 2  # N is whole 128-row tiles in every shape here
+    # N is whole 128-row tiles in every shape here; up to 128 rows, two warpgroups only where
+    # they leave at least one program (128 columns) per SM
+    assert cfg.warpgroups == (2 if m > 128 or n // 128 >= 132 else 1)
+    if cfg.warpgroups == 1:
+        assert (cfg.block_k, cfg.stages) == (128, 3)
 
 
 def test_oversized_config_is_refused():
@@ -497,12 +509,13 @@ def test_oversized_config_is_refused():
         (1, fmm.MgpuMatmulConfig(block_k=128, stages=3, split_k=2, split_in="warpgroups")),
         (16, fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")),
         ("w4a4", fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
+        # the default: the plan in a Triton kernel, x read past its end
         ("grouped", None),
         ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=16, warpgroups=2)),
-        # the plan in a Triton kernel, x read past its end
-        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, prologue="kernel")),
+        # the plan in XLA ops
+        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=2, prologue="xla")),
         # two groups of tiles one after another per program, rows zeroed in the kernel
-        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2, prologue="kernel")),
+        ("grouped", fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2)),
     ],
 )
 def test_lowers_for_cuda(m, cfg):
