@@ -97,12 +97,12 @@ class MgpuMatmulConfig:
         one after another, their weights streamed through one pipeline (the next tile's first
         buffers load while this one's last steps and output run; one start-up per program).
       prologue: grouped form, the work around the kernel (``grouped_plan``,
-        ``pad_rows_for_windows``): "kernel" (the default, 12-14 us the faster per call at
-        E=128: the plan in one Triton launch; x read as it is where its rows are whole 8-row
-        tiles and at least one window, TMA filling the window rows past its end; the unrouted
-        rows zeroed by the kernel's last row block, which no routing uses) or "xla" (the
-        row-block plan in XLA ops, x padded for every window, the rows past the routed ones
-        zeroed after the kernel).
+        ``pad_rows_for_windows``): "kernel" (the default, 12-14 us the faster per call on an
+        H100 at E=128: the plan in one Triton launch; x read as it is where its rows are whole
+        8-row tiles and at least one window, TMA filling the window rows past its end; the
+        unrouted rows zeroed by the kernel's last row block, which no routing uses) or "xla"
+        (the row-block plan in XLA ops, x padded for every window, the rows past the routed
+        ones zeroed after the kernel).
     """
 
     block_k: int = 256
