@@ -602,22 +602,28 @@ def _stream(
         return acc.astype(out.dtype)
 
     def write_rows(acc, t_smem, col, read_only=False):
-        """Token-major: each valid token's 64 outputs of tile ``col`` one TMA row, through
-        ``t_smem``; waits until the copies have read it (``read_only``) or are done."""
+        """Token-major: the valid tokens' 64 outputs of tile ``col`` through ``t_smem``, one
+        TMA copy of all of them where their count is static (the dense form), else one per
+        token; waits until the copies have read it (``read_only``) or are done."""
         first, count, at = rows
+        cols = pl.ds(col * _TILE_N, _TILE_N)
 
         @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
         def _():
             t_smem.at[wg].T[...] = acc
             plgpu.commit_smem()
-
-            def one(j, _):
+            if all(isinstance(v, int) for v in rows):
                 plgpu.copy_smem_to_gmem(
-                    t_smem.at[wg, pl.ds(first + j, 1)],
-                    out.at[pl.ds(at + j, 1), pl.ds(col * _TILE_N, _TILE_N)],
+                    t_smem.at[wg, pl.ds(first, count)], out.at[pl.ds(at, count), cols]
                 )
+            else:
 
-            lax.fori_loop(0, count, one, None)
+                def one(j, _):
+                    plgpu.copy_smem_to_gmem(
+                        t_smem.at[wg, pl.ds(first + j, 1)], out.at[pl.ds(at + j, 1), cols]
+                    )
+
+                lax.fori_loop(0, count, one, None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
     acc = pl.run_scoped(k_loop, **_scratch(cfg, cfg.stages, mpad), collective_axes=collective)

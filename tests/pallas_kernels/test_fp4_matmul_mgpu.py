@@ -205,6 +205,17 @@ def test_gpu_benchmark_shapes(k, n, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 13, 40, 200])
+def test_gpu_token_major_rows_not_multiples_of_8(m):
+    # the default tilings' output: one TMA copy of the first m of the padded rows per tile (K
+    # split on the warpgroups for 5 and 13 rows, one and two warpgroups for 40 and 200)
+    k, n = 2048, 512
+    qt = _weights(k, n, seed=m, scale=0.02)
+    x = random_x(m, k, seed=m + 2)
+    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("m", "cfg"),
     [
@@ -502,6 +513,7 @@ def test_oversized_config_is_refused():
     ("m", "cfg"),
     [
         (16, None),
+        (13, None),  # the token-major copy of 13 of the 16 padded rows
         (64, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
         (200, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
