@@ -180,3 +180,29 @@ def test_guidance_of_the_wrong_shape_is_refused():
         ValueError, match=r"recorded for a tensor of shape \(2, 32\), got \(4, 32\)"
     ):
         fp4.guided_fake_quant(jnp.ones((4, 32)), g)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_guided_rounding_keeps_non_finite_inputs_visible_as_quantize_does(fmt, bad):
+    x = np.asarray(jax.random.normal(jax.random.key(12), (4, 64)))
+    guidance = fp4.rollout_guidance(
+        fp4.quantize(jnp.asarray(x), fmt, global_scale="row" if fmt == "nvfp4" else "tensor")
+    )
+    x_t = x.copy()
+    x_t[1, 37] = bad  # a diverged trainer activation
+    rtn = np.asarray(
+        fp4.fake_quant(jnp.asarray(x_t), fmt, global_scale="row" if fmt == "nvfp4" else "tensor")
+    )
+    guided = np.asarray(fp4.guided_fake_quant(jnp.asarray(x_t), guidance))
+    # The same elements turn NaN as under RTN fake quant: the NVFP4 row, the MXFP4 block.
+    assert np.isnan(rtn).any()
+    np.testing.assert_array_equal(np.isnan(guided), np.isnan(rtn))
+    clean = ~np.isnan(rtn)
+    np.testing.assert_array_equal(
+        guided[clean], np.asarray(fp4.guided_fake_quant(jnp.asarray(x), guidance))[clean]
+    )
+    # Per tensor (NVFP4's spec scale): one non-finite element makes the whole tensor NaN.
+    if fmt == "nvfp4":
+        g_t = fp4.rollout_guidance(fp4.quantize(jnp.asarray(x), fmt))
+        assert np.isnan(np.asarray(fp4.guided_fake_quant(jnp.asarray(x_t), g_t))).all()

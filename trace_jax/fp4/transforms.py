@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.fp4 import e2m1
-from trace_jax.fp4.formats import E2M1_MAX, FormatSpec
+from trace_jax.fp4.formats import E2M1_MAX, E8M0_NAN, FormatSpec
 from trace_jax.fp4.qtensor import QTensor, stored_shape
 from trace_jax.fp4.quantize import (
     GlobalScaleMode,
@@ -186,6 +186,11 @@ def guided_quantize(x: jax.Array, guidance: Guidance) -> QTensor:
     2-3. between the two codes adjacent to ``z`` pick the one whose mantissa bit is the rollout's
        (``z`` exactly on a code keeps it).
 
+    Non-finite inputs stay visible as ``quantize`` makes them: a NaN or +-Inf in an NVFP4 group
+    (the row for a per-row global scale, else the tensor) makes that group's global scale NaN, one
+    in an MXFP4 block makes its scale the E8M0 NaN; every element depending on such a scale
+    dequantizes to NaN (the codes alone could not say so: clipping would turn Inf into +-6).
+
     Args:
       x: [...] float, the training side's input at the site; ``x.shape == guidance.shape``.
       guidance: the rollout's ``Guidance`` for the same sample and site.
@@ -198,10 +203,18 @@ def guided_quantize(x: jax.Array, guidance: Guidance) -> QTensor:
     z = jnp.clip(z, -E2M1_MAX, E2M1_MAX)
     bits = e2m1.unpack_bits(guidance.mantissa_bits).reshape(z.shape)
     codes = e2m1.guided_round(z, bits)
+    bad_block = ~jnp.all(jnp.isfinite(to_blocks(x, guidance.axis, fmt.block_size)), axis=-1)
+    block_scales, s_g = guidance.block_scales, guidance.global_scale
+    if fmt.has_global_scale:
+        per_row = jnp.ndim(s_g) > 0
+        bad = jnp.any(bad_block, axis=-1, keepdims=True) if per_row else jnp.any(bad_block)
+        s_g = jnp.where(bad, jnp.float32(jnp.nan), s_g)
+    else:
+        block_scales = jnp.where(bad_block, jnp.uint8(E8M0_NAN), block_scales)
     return QTensor(
         codes=e2m1.pack_nibbles(codes.reshape(*codes.shape[:-2], -1)),
-        block_scales=guidance.block_scales,
-        global_scale=guidance.global_scale,
+        block_scales=block_scales,
+        global_scale=s_g,
         fmt=fmt,
         shape=guidance.shape,
         axis=guidance.axis,
