@@ -223,3 +223,21 @@ def test_guidance_through_the_cache_and_a_spill_gives_the_same_trainer_forward(
     replayed = dataclasses.replace(flipped, guidance=jax.tree.map(jnp.asarray, fetched))
     out = trainer_forward(model, replayed, policy)
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(direct.logits)[::-1])
+
+
+def test_per_tensor_nvfp4_activation_scales_are_recorded_per_slot_and_guide_the_trainer():
+    """``act_global_scale="tensor"``: each chunk (the prefill, then one decode step) has its own
+    global scale; the records keep it per slot, and the trainer guided by them takes the
+    rollout's codes."""
+    model = Transformer(CFG.replace(num_layers=1), nnx.Rngs(0))
+    kw = dict(guided_layers="all", record_codes=True, act_global_scale="tensor")
+    eng = RolloutEngine(model, QuantPolicy.rollout(**kw), RolloutConfig(**SHAPE, kv_cache="bf16"))
+    state = eng.generate(PROMPTS, jax.random.key(3))
+    policy = QuantPolicy.trace(**kw)
+    out = trainer_forward(model, state, policy)
+    report = mismatch_report(out, state, policy, 1)
+    assert report["mismatch/code_rate/guided"] < 0.01, report["mismatch/code_rate/guided"]
+    # The prompt's slots share the prefill's scale; decode slots each have their step's.
+    g = np.asarray(state.guidance["layers.0.experts.gate_up.act"].global_scale)[..., 0]
+    n = len(PROMPTS[0])
+    assert np.all(g[0, :n] == g[0, 0]) and len(np.unique(g[0, n : int(state.lengths[0])])) > 1

@@ -37,6 +37,7 @@ from trace_jax.fp4.transforms import (
     guided_quantize,
     rollout_guidance,
     straight_through,
+    with_row_global_scale,
 )
 
 __all__ = [
@@ -67,4 +68,5 @@ __all__ = [
     "unpack_bits",
     "unpack_nibbles",
     "unpacked_codes",
+    "with_row_global_scale",
 ]

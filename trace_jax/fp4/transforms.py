@@ -171,6 +171,19 @@ def rollout_guidance(qt: QTensor) -> Guidance:
     )
 
 
+def with_row_global_scale(record: QTensor | Guidance) -> QTensor | Guidance:
+    """``record`` with an NVFP4 per-tensor global scale repeated on every row ([*S[:-1], 1]), so
+    that rows recorded in different chunks (a prefill, then one decode step after another) each
+    keep the scale they were quantized with. Records with per-row scales, and MXFP4's unit
+    placeholder, are returned as they are."""
+    if not record.fmt.has_global_scale or jnp.ndim(record.global_scale) > 0:
+        return record
+    rows = record.block_scales.shape[:-1]
+    return dataclasses.replace(
+        record, global_scale=jnp.broadcast_to(record.global_scale, (*rows, 1))
+    )
+
+
 def _check_guidance(x: jax.Array, guidance: Guidance) -> None:
     if tuple(x.shape) != tuple(guidance.shape):
         raise ValueError(

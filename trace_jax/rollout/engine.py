@@ -113,9 +113,10 @@ Record = fp4.Guidance | fp4.QTensor
 
 def _record_buffer(record: Record, max_len: int) -> Record:
     """A [B, S, ...] buffer for a chunk's [B, T, ...] record: the record of an all-zero input,
-    so that slots never written hold finite scales."""
+    so that slots never written hold finite scales. NVFP4 global scales are kept per slot (a
+    per-tensor scale belongs to the chunk that was quantized with it)."""
     shape = (record.shape[0], max_len, *record.shape[2:])
-    mode = "row" if record.global_scale.ndim else "tensor"
+    mode = "row" if record.fmt.has_global_scale else "tensor"
     qt = fp4.quantize(jnp.zeros(shape, jnp.float32), record.fmt, global_scale=mode)
     return fp4.rollout_guidance(qt) if isinstance(record, fp4.Guidance) else qt
 
@@ -126,7 +127,9 @@ def _array_fields(record: Record) -> tuple[str, ...]:
 
 def _write_record(buf: Record, chunk: Record, lengths, valid) -> Record:
     """Scatter a chunk's record [B, T, ...] into the buffer at each sequence's next slots.
-    Per-tensor fields (MXFP4's placeholder global scale of 1) are not per token: kept."""
+    An NVFP4 per-tensor global scale is written to every slot of the chunk; MXFP4's placeholder
+    global scale of 1 is not per token: kept."""
+    chunk = fp4.with_row_global_scale(chunk)
 
     def put(name):
         old, new = getattr(buf, name), getattr(chunk, name)
