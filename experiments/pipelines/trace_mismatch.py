@@ -1,13 +1,15 @@
 """``trace_mismatch``: how far the trainer's FP4 forward is from the FP4 rollout, per mode.
 
-One FP4 rollout (FP4 expert weights and activations, FP4 KV cache) of a batch of prompts records
-guidance at every layer and, in diagnostic mode, its full codes. The trainer's forward then runs
-over the same sequences with routing replay in each training mode: ``none`` (vanilla QAT: RTN at
-every site), ``last_half`` (TRACE's default: guided in the deeper half) and ``all`` (guided
-everywhere). For each it reports ``mismatch/logp_abs`` and ``mismatch/kl_k3`` over the sampled
-tokens, the code mismatch rate and D_act per site and layer, the fraction of elements whose codes
-are two or more steps apart (the only ones guidance cannot fix), the trainer's own routing
-mismatch without replay, and the compact guidance bytes per token the mode needs.
+One FP4 rollout (FP4 expert weights and activations, FP4 KV cache; the engine's ``backend``,
+XLA or the Pallas kernels) of a batch of prompts records guidance at every layer and its full
+codes. The trainer's forward (XLA fake quant, as in RL) then runs over the same sequences, with
+routing replay unless ``routing_replay: false``, in each training mode: ``none`` (vanilla QAT:
+RTN at every site), ``last_half`` (TRACE's default: guided in the deeper half) and ``all``
+(guided everywhere). For each it reports, over the generated tokens, ``mismatch/logp_abs`` and
+``mismatch/kl_k3``, the code mismatch rate, the shares of mismatched codes one step and two or
+more steps apart (the latter are the only ones guidance cannot fix) and D_act per site and
+layer, the trainer router's own top-k against the rollout's, and the compact guidance bytes per
+token the mode needs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from experiments.registry import register
 from trace_jax.config import ConfigError
 from trace_jax.guidance import model_guidance_bytes
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
-from trace_jax.rl.diagnostics import mismatch_report, route_rate, train_policy, trainer_forward
+from trace_jax.rl.diagnostics import mismatch_report, train_policy, trainer_forward
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
 Mode = Literal["none", "last_half", "all"]
@@ -40,8 +42,12 @@ class TraceMismatchConfig:
     dtype: compute dtype of the model.
     fmt: "nvfp4" or "mxfp4" (weights, activations and the KV cache).
     batch, prompt_len, max_new_tokens: rollout shape (random prompts).
-    temperature: sampling temperature.
+    temperature: sampling temperature (the log-probs compared are of the tempered softmax).
     modes: training modes to compare.
+    backend: the rollout engine's: "xla", "pallas" (the FP4 kernels) or "auto" (Pallas on a
+      GPU).
+    routing_replay: the trainer replays the rollout's experts (needed by the guided modes: the
+      expert-activation guidance is per expert slot).
     plot: write ``code_rate_per_layer.png``.
     """
 
@@ -56,6 +62,8 @@ class TraceMismatchConfig:
     max_new_tokens: int = 32
     temperature: float = 1.0
     modes: tuple[Mode, ...] = ("none", "last_half", "all")
+    backend: Literal["auto", "xla", "pallas"] = "auto"
+    routing_replay: bool = True
     plot: bool = True
 
     def __post_init__(self):
@@ -64,6 +72,12 @@ class TraceMismatchConfig:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if not self.modes:
             raise ConfigError("modes: give at least one of none, last_half, all")
+        guided = [m for m in self.modes if m != "none"]
+        if guided and not self.routing_replay:
+            raise ConfigError(
+                f"routing_replay: the guided modes {guided} need it (expert-activation guidance "
+                "is per expert slot of the rollout's routes)"
+            )
 
 
 def _model(cfg: TraceMismatchConfig) -> Transformer:
@@ -82,6 +96,10 @@ def run(cfg: TraceMismatchConfig, run_dir: Path) -> dict:
     model = _model(cfg)
     mcfg = model.cfg
     rollout_policy = QuantPolicy.rollout(cfg.fmt, guided_layers="all", record_codes=True)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    sampling = SamplingConfig(temperature=cfg.temperature)
     engine = RolloutEngine(
         model,
         rollout_policy,
@@ -89,28 +107,29 @@ def run(cfg: TraceMismatchConfig, run_dir: Path) -> dict:
             max_len=cfg.prompt_len + cfg.max_new_tokens,
             max_new_tokens=cfg.max_new_tokens,
             kv_cache=cfg.fmt,
-            sampling=SamplingConfig(temperature=cfg.temperature),
+            sampling=sampling,
+            backend=backend,
         ),
     )
     key_prompts, key_sample = jax.random.split(jax.random.key(cfg.seed))
     prompts = jax.random.randint(key_prompts, (cfg.batch, cfg.prompt_len), 1, mcfg.vocab_size)
     state = engine.generate(np.asarray(prompts).tolist(), key_sample)
 
-    results: dict = {"tokens": int(state.generated.sum())}
+    results: dict = {"tokens": int(state.generated.sum()), "backend": backend}
     for mode in cfg.modes:
         policy = train_policy(mode, cfg.fmt)
-        out = trainer_forward(model, state, policy)
-        report = mismatch_report(out, state, policy, mcfg.num_layers)
+        out = trainer_forward(model, state, policy, replay=cfg.routing_replay)
+        report = mismatch_report(out, state, policy, mcfg.num_layers, sampling)
         sizes = model_guidance_bytes(mcfg, QuantPolicy.rollout(cfg.fmt, guided_layers=mode))
         report.update(sizes.metrics())
-        routes = route_rate(model, state, policy)
-        report["mismatch/route_rate"] = float(routes.mean())
         results[mode] = report
         print(
             f"{mode:10s} logp_abs {report['mismatch/logp_abs']:.2e}  kl_k3 "
             f"{report['mismatch/kl_k3']:.2e}  code_rate {report['mismatch/code_rate/all']:.4f}  "
             f"guided code_rate {report.get('mismatch/code_rate/guided', float('nan')):.4f} "
-            f"(>= 2 steps apart {report.get('mismatch/code_far/guided', float('nan')):.4f})  "
+            f"(of them >= 2 steps apart {report.get('mismatch/code_far/guided', float('nan')):.3f})"
+            f"  one-step share of all mismatches "
+            f"{report.get('mismatch/code_one_step/all', float('nan')):.3f}  "
             f"route_rate {report['mismatch/route_rate']:.4f}  "
             f"guidance {sizes.compact} B/token"
         )

@@ -1,5 +1,7 @@
 """The MoE transformer: dispatch vs a dense reference, causality, padding, routing replay, sites."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,7 @@ def test_tiny_preset_is_small_and_param_count_is_exact(model):
 def test_moe_dispatch_equals_a_dense_per_token_reference(model):
     moe = model.layers[1].mlp
     x = jax.random.normal(jax.random.key(1), (3, 5, CFG.hidden_size))
-    y, experts = moe(x, SiteContext(QuantPolicy(), CFG.num_layers), layer=1)
+    y, experts, _ = moe(x, SiteContext(QuantPolicy(), CFG.num_layers), layer=1)
     logits = x.reshape(-1, CFG.hidden_size) @ moe.router[...]
     probs = jax.nn.softmax(logits, -1)
     w, e = jax.lax.top_k(probs, CFG.num_experts_per_tok)
@@ -77,6 +79,12 @@ def test_replaying_recorded_routes_reproduces_the_forward_and_moves_gradient_to_
     other = (out.routes + 1) % CFG.num_experts
     replayed = model(tok, replay_routes=other)
     np.testing.assert_array_equal(np.asarray(replayed.routes), np.asarray(other))
+    # The router's own choice is still reported: what this forward would have picked (the
+    # first MoE layer sees the same input; later ones see the replayed experts' outputs).
+    np.testing.assert_array_equal(np.asarray(out.router_choice), np.asarray(out.routes))
+    np.testing.assert_array_equal(np.asarray(again.router_choice), np.asarray(out.routes))
+    np.testing.assert_array_equal(np.asarray(replayed.router_choice[0]), np.asarray(out.routes[0]))
+    assert not np.array_equal(np.asarray(replayed.router_choice), np.asarray(other))
 
     def loss(m):
         return jnp.mean(m(tok, replay_routes=other).logits ** 2)
@@ -117,6 +125,18 @@ def test_guidance_shapes_follow_the_token_layout(model):
     assert g["layers.3.experts.gate_up.act"].shape == (2, 12, CFG.hidden_size)
     assert g["layers.3.experts.down.act"].shape == (2, 12, 2, CFG.moe_intermediate_size)
     assert g["layers.3.kv.k"].shape == (2, 12, CFG.num_kv_heads, CFG.head_dim)
+
+
+def test_guided_expert_activations_without_routing_replay_are_refused(model):
+    """The down-projection guidance is per (token, expert slot) of the rollout's routes; without
+    replay the trainer's slot j may hold another expert's input."""
+    tok = tokens()
+    rollout = model(tok, policy=QuantPolicy.rollout(guided_layers="all"))
+    with pytest.raises(ValueError, match=r"layer 0: guided expert activations need replay_routes"):
+        model(tok, policy=QuantPolicy.trace(guided_layers="all"), guidance=rollout.records)
+    # Guided KV sites alone (per token) need no replay.
+    kv_only = dataclasses.replace(QuantPolicy.trace(guided_layers="all"), expert_acts="rtn")
+    model(tok, policy=kv_only, guidance=rollout.records)
 
 
 def test_missing_guidance_is_an_error(model):

@@ -15,9 +15,10 @@ from flax import nnx
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.rl import metrics
+from trace_jax.rl.diagnostics import codes_of, guidance_of
 from trace_jax.rl.losses import LossConfig, group_advantages, policy_loss
 from trace_jax.rl.trainer import RLBatch, Trainer, unguided
-from trace_jax.rollout import RolloutConfig, RolloutEngine
+from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig.preset("tiny").replace(num_layers=2)
@@ -25,15 +26,16 @@ TARGETS = jnp.arange(100, 132)  # reward 1 for sampling one of these 32 of 256 t
 
 
 def batch_from(state, advantages, replay=True):
-    filled = jnp.arange(state.tokens.shape[1])[None] < state.lengths[:, None]
     return RLBatch(
         tokens=state.tokens,
-        filled=filled,
+        filled=state.filled,
         loss_mask=state.generated,
         rollout_logp=state.logprobs,
         advantages=advantages,
         routes=jnp.moveaxis(state.routes, 2, 0) if replay else None,
-        guidance={k: v for k, v in state.guidance.items() if not k.endswith(".codes")},
+        guidance=guidance_of(state),
+        rollout_codes=codes_of(state),
+        code_rows=state.code_rows,
     )
 
 
@@ -74,17 +76,16 @@ def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
         RolloutConfig(max_len=12, max_new_tokens=8, kv_cache="nvfp4"),
     )
     rs = engine.generate([[5, 6, 7]] * 4, jax.random.key(0))
-    policy = QuantPolicy.trace(record_codes=True)
+    policy = QuantPolicy.trace()
     trainer = Trainer(model, policy, LossConfig(), optax.sgd(1e-2))
     adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
-    batch = batch_from(rs, adv)
-    batch = RLBatch(**{**batch.__dict__, "guidance": rs.guidance})  # with the diagnostic codes
+    batch = batch_from(rs, adv)  # with the rollout's codes of every row
     state = trainer.init()
     params0 = jax.tree.map(jnp.copy, state.params)
     new, m = trainer.rl_step(state, batch)
-    # diagnostic mode: per-site code metrics; the guided layer (1) reproduces the rollout codes
+    # code metrics over the generated tokens; the guided layer (1) reproduces the rollout codes
     assert m["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/experts.down.act/0" in m
-    assert m["mismatch/route_rate"] == 0.0  # routing replay
+    assert m["mismatch/guided_code_agreement"] > 0.99
 
     # SGD: new params = old - lr * grad of the loss the step reports
     @jax.jit
@@ -93,11 +94,11 @@ def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
             batch.tokens,
             attention_mask=batch.filled,
             policy=policy,
-            guidance={k: v for k, v in rs.guidance.items() if not k.endswith(".codes")},
+            guidance=batch.guidance,
             replay_routes=batch.routes,
         )
         logp = metrics.token_logprobs(out.logits, batch.tokens)
-        return policy_loss(
+        value = policy_loss(
             logp,
             jax.lax.stop_gradient(logp),
             batch.rollout_logp,
@@ -105,9 +106,13 @@ def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
             batch.loss_mask,
             LossConfig(),
         )[0]
+        return value, out.router_choice
 
-    value, grads = jax.value_and_grad(loss)(params0)
+    (value, choice), grads = jax.value_and_grad(loss, has_aux=True)(params0)
     assert float(m["train/loss"]) == pytest.approx(float(value), rel=1e-5, abs=1e-7)
+    # The trainer router's own top-k against the rollout's experts, under replay.
+    routes = metrics.route_mismatch(choice, batch.routes, batch.loss_mask)
+    assert m["mismatch/route_rate"] == pytest.approx(float(routes.mean()))
     want = jax.tree.map(lambda p, g: p - 1e-2 * g, params0, grads)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -141,3 +146,108 @@ def test_two_device_sharded_rl_step_equals_one_device_and_the_loop_runs_sharded(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sharded RL step OK" in proc.stdout and "sharded RL loop OK" in proc.stdout
+
+
+CFG1 = CFG.replace(num_layers=1)
+PROMPTS8 = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]] * 2
+ADV8 = jnp.asarray([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 0.25, -0.25])
+
+
+def fp4_batch(seed=0):
+    model = Transformer(CFG1, nnx.Rngs(seed))
+    engine = RolloutEngine(
+        model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
+    )
+    return model, batch_from(engine.generate(PROMPTS8, jax.random.key(seed)), ADV8)
+
+
+def test_trainer_scores_the_sampling_distribution_so_bf16_pairs_stay_at_the_floor():
+    """The rollout's log-probs are of the tempered, top-p truncated distribution it sampled
+    from; the trainer scores the same distribution, so temperature 0.7 and top-p 0.9 add no
+    mismatch to a BF16 rollout / BF16 trainer pair."""
+    model = Transformer(CFG1, nnx.Rngs(3))
+    found = {}
+    for name, sampling in {
+        "plain": SamplingConfig(),
+        "tempered": SamplingConfig(temperature=0.7, top_p=0.9),
+    }.items():
+        engine = RolloutEngine(
+            model,
+            QuantPolicy.bf16(),
+            RolloutConfig(max_len=12, max_new_tokens=6, sampling=sampling),
+        )
+        batch = batch_from(engine.generate(PROMPTS8, jax.random.key(4)), ADV8)
+        trainer = Trainer(
+            model, QuantPolicy.bf16(), LossConfig(), optax.sgd(0.0), sampling=sampling
+        )
+        found[name] = float(trainer.score(trainer.init().params, batch)[1]["mismatch/logp_abs"])
+        if name == "tempered":  # scoring the raw softmax instead: the bias this removes
+            raw = Trainer(model, QuantPolicy.bf16(), LossConfig(), optax.sgd(0.0))
+            found["raw"] = float(raw.score(raw.init().params, batch)[1]["mismatch/logp_abs"])
+    assert found["tempered"] <= 2 * found["plain"] + 1e-6, found
+    assert found["raw"] > 100 * max(found["plain"], 1e-7), found
+
+
+def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip():
+    model, batch = fp4_batch()
+    loss_cfg = LossConfig(clip_low=0.05, clip_high=0.05)
+    lr = 0.5
+    trainer = Trainer(
+        model, QuantPolicy.trace(), loss_cfg, optax.sgd(lr), ppo_epochs=2, minibatches=2
+    )
+    key = jax.random.key(7)
+    params0 = jax.tree.map(jnp.copy, trainer.init().params)
+    state, m = trainer.rl_step(trainer.init(), batch, key)
+    assert int(state.step) == 4
+    assert m["loss/clip_frac"] > 0, m  # the ratio moved away from 1 after the first update
+    # By hand: the proximal log-probs once, then SGD on each minibatch of the same shuffles.
+    old = trainer.score(params0, batch)[0]
+
+    def loss(params, mb, old_mb):
+        out = trainer.model(params)(
+            mb.tokens,
+            attention_mask=mb.filled,
+            policy=QuantPolicy.trace(),
+            guidance=mb.guidance,
+            replay_routes=mb.routes,
+        )
+        logp = metrics.token_logprobs(out.logits, mb.tokens)
+        args = (mb.rollout_logp, mb.advantages, mb.loss_mask, loss_cfg)
+        return policy_loss(logp, old_mb, *args)[0]
+
+    grad = jax.jit(jax.grad(loss))
+    params = params0
+    for epoch in range(2):
+        order = jax.random.permutation(jax.random.fold_in(key, epoch), 8)
+        for i in range(2):
+            rows = order[4 * i : 4 * i + 4]
+            grads = grad(params, batch.take(rows), old[rows])
+            params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # One update per batch: the ratio is 1, nothing is clipped.
+    single = Trainer(model, QuantPolicy.trace(), loss_cfg, optax.sgd(lr))
+    assert single.rl_step(single.init(), batch)[1]["loss/clip_frac"] == 0
+
+
+def test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand():
+    model, batch = fp4_batch(1)
+    loss_cfg = LossConfig(kl_coef=0.1, is_correction="none")
+    trainer = Trainer(model, QuantPolicy.trace(), loss_cfg, optax.sgd(0.0))
+    state = trainer.init()
+    noise = jax.tree.map(
+        lambda p: 0.05 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), state.params
+    )
+    ref = jax.tree.map(jnp.add, state.params, noise)
+    params = jax.tree.map(jnp.copy, state.params)
+    with pytest.raises(ValueError, match="reference parameters"):
+        trainer.rl_step(trainer.init(), batch)
+    _, m = trainer.rl_step(state, batch, ref_params=ref)
+    logp, ref_logp = (np.asarray(trainer.score(p, batch)[0], np.float64) for p in (params, ref))
+    mask = np.asarray(batch.loss_mask)
+    d = (ref_logp - logp)[mask]
+    kl = np.exp(d) - d - 1
+    assert m["loss/kl_ref"] == pytest.approx(kl.mean(), rel=1e-4)
+    # ratio 1, no correction: the loss is -advantage per token plus the weighted KL
+    adv = np.broadcast_to(np.asarray(ADV8)[:, None], mask.shape)[mask]
+    assert m["train/loss"] == pytest.approx(np.mean(-adv + 0.1 * kl), rel=1e-4)

@@ -37,6 +37,7 @@ from trace_jax.fp4.transforms import (
     guided_quantize,
     rollout_guidance,
     straight_through,
+    take_rows,
     with_row_global_scale,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "rollout_guidance",
     "round_to_e2m1",
     "straight_through",
+    "take_rows",
     "unpack_bits",
     "unpack_nibbles",
     "unpacked_codes",

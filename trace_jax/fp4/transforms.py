@@ -184,6 +184,17 @@ def with_row_global_scale(record: QTensor | Guidance) -> QTensor | Guidance:
     )
 
 
+def take_rows(record: QTensor | Guidance, rows: jax.Array) -> QTensor | Guidance:
+    """The rows ``rows`` ([R] int) of a record's leading (batch) axis, which must not be the
+    quantized one; a per-tensor global scale is kept as it is."""
+    if record.axis == 0:
+        raise ValueError(f"take_rows: axis 0 of shape {record.shape} is the quantized axis")
+    fields = [f.name for f in dataclasses.fields(record) if not f.metadata.get("static")]
+    arrays = {f: getattr(record, f) for f in fields}
+    arrays = {f: a if jnp.ndim(a) == 0 else a[rows] for f, a in arrays.items()}
+    return dataclasses.replace(record, **arrays, shape=(len(rows), *record.shape[1:]))
+
+
 def _check_guidance(x: jax.Array, guidance: Guidance) -> None:
     if tuple(x.shape) != tuple(guidance.shape):
         raise ValueError(

@@ -27,6 +27,10 @@ SiteMode = Literal["off", "rtn", "guided", "record"]
 GuidedLayers = Literal["last_half", "last_k", "all", "none"]
 
 
+ACT_SITES = ("experts.gate_up.act", "experts.down.act")
+KV_SITES = ("kv.k", "kv.v")
+
+
 def site_name(layer: int, site: str) -> str:
     """``site_name(17, "experts.down.act") == "layers.17.experts.down.act"``."""
     return f"layers.{layer}.{site}"
@@ -126,6 +130,18 @@ class QuantPolicy:
             return "rtn"
         return mode
 
+    def guided_sites(self, num_layers: int) -> frozenset[str]:
+        """Names of the sites this policy guides (on a model of ``num_layers`` layers; a dense
+        layer's expert sites do not exist and are never looked up)."""
+        kinds = {"act": ACT_SITES, "kv": KV_SITES}
+        return frozenset(
+            site_name(layer, site)
+            for layer in range(num_layers)
+            for kind, sites in kinds.items()
+            if self.site_mode(kind, layer, num_layers) == "guided"
+            for site in sites
+        )
+
     @property
     def format(self) -> fp4.FormatSpec:
         return fp4.get_format(self.fmt)
@@ -146,6 +162,10 @@ class SiteContext:
         self.guidance = guidance or {}
         self.records: dict[str, fp4.Guidance | fp4.QTensor] = {}
 
+    def site_mode(self, layer: int, kind: Literal["act", "kv"]) -> SiteMode:
+        """The mode of layer ``layer``'s activation or KV sites under this context's policy."""
+        return self.policy.site_mode(kind, layer, self.num_layers)
+
     def activation(self, name: str, x: jax.Array, layer: int, kind: Literal["act", "kv"] = "act"):
         """Apply the site ``name`` to ``x`` ([..., K], quantized along the last axis)."""
         return self.quantized(name, x, layer, kind, want_codes=False)[0]
@@ -165,7 +185,7 @@ class SiteContext:
           ``want_codes`` is False)
         """
         p = self.policy
-        mode = p.site_mode(kind, layer, self.num_layers)
+        mode = self.site_mode(layer, kind)
         if mode == "off":
             return x, None
         if mode == "guided":

@@ -134,19 +134,29 @@ class MoE(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, sites: SiteContext, layer: int, replay: jax.Array | None = None):
-        """x: [B, T, H]; replay: None or [B, T, k] expert ids -> (y [B, T, H], experts [B, T, k])"""
+        """x: [B, T, H]; replay: None or [B, T, k] expert ids.
+
+        Returns:
+          (y [B, T, H], experts [B, T, k] used (the replayed ones under replay),
+          choice [B, T, k] the router's own top-k)
+        """
         cfg, dt = self.cfg, x.dtype
         b, t, h = x.shape
         k = cfg.num_experts_per_tok
+        if replay is None and sites.site_mode(layer, "act") == "guided":
+            # The down-projection input is recorded per (token, expert slot): without the
+            # rollout's experts, slot j here may hold another expert's input than slot j there.
+            raise ValueError(
+                f"layer {layer}: guided expert activations need replay_routes (routing replay); "
+                "their guidance is per expert slot of the rollout's routes"
+            )
         logits = jnp.einsum(
             "bth,he->bte", x, self.router[...].astype(dt), preferred_element_type=jnp.float32
-        )
-        weights, experts = layers.route(
-            logits.reshape(b * t, -1),
-            k,
-            cfg.norm_topk_prob,
-            None if replay is None else replay.reshape(b * t, k),
-        )
+        ).reshape(b * t, -1)
+        weights, choice = layers.route(logits, k, cfg.norm_topk_prob)
+        experts = choice
+        if replay is not None:
+            weights, experts = layers.route(logits, k, cfg.norm_topk_prob, replay.reshape(b * t, k))
         order, group_sizes = layers.sort_by_expert(experts, cfg.num_experts)
         inverse = jnp.argsort(order)
         x_q = sites.activation(site_name(layer, "experts.gate_up.act"), x, layer)
@@ -168,7 +178,7 @@ class MoE(nnx.Module):
         if cfg.shared_expert_intermediate_size:
             gate_s = jax.nn.sigmoid(x @ self.shared_expert_gate[...].astype(dt))
             y = y + gate_s * self.shared_expert(x)
-        return y, experts.reshape(b, t, k)
+        return y, experts.reshape(b, t, k), choice.reshape(b, t, k)
 
 
 class DecoderLayer(nnx.Module):
@@ -190,12 +200,12 @@ class DecoderLayer(nnx.Module):
         )
         x = x + attn
         hidden = self.post_attention_layernorm(x)
-        experts = None
+        routing = None
         if self.is_moe:
-            mlp, experts = self.mlp(hidden, sites, self.layer, replay)
+            mlp, *routing = self.mlp(hidden, sites, self.layer, replay)
         else:
             mlp = self.mlp(hidden)
-        return x + mlp, experts, kv
+        return x + mlp, routing, kv
 
 
 @jax.tree_util.register_dataclass
@@ -204,6 +214,8 @@ class ModelOutput:
     """Attributes:
     logits: [B, T, V] float32.
     routes: [L_moe, B, T, k] int32 chosen (or replayed) experts per MoE layer, in layer order.
+    router_choice: [L_moe, B, T, k] int32 the router's own top-k (equal to ``routes`` without
+      replay; under replay, what this forward would have chosen).
     records: site name -> ``Guidance`` (and ``QTensor`` under ``<site>.codes`` in diagnostic
       mode) for the sites the policy records.
     kv: per layer, the (k, v) [B, T, Hkv, D] the KV sites produced, or, with ``kv_access``,
@@ -212,6 +224,7 @@ class ModelOutput:
 
     logits: jax.Array
     routes: jax.Array | None
+    router_choice: jax.Array | None
     records: dict[str, fp4.Guidance | fp4.QTensor]
     kv: tuple[tuple[jax.Array, jax.Array], ...]
 
@@ -265,15 +278,16 @@ class Transformer(nnx.Module):
             )
         sites = SiteContext(policy or QuantPolicy(), cfg.num_layers, guidance)
         x = self.embed_tokens[...][tokens].astype(cfg.dtype)
-        routes, kvs = [], []
+        routes, choices, kvs = [], [], []
         for layer in self.layers:
             replay = None
             if replay_routes is not None and layer.is_moe:
                 replay = replay_routes[moe_layers.index(layer.layer)]
-            x, experts, kv = layer(x, positions, mask, sites, replay, kv_access)
+            x, routing, kv = layer(x, positions, mask, sites, replay, kv_access)
             kvs.append(kv)
-            if experts is not None:
-                routes.append(experts)
+            if routing is not None:
+                routes.append(routing[0])
+                choices.append(routing[1])
         x = self.norm(x)
         head = self.embed_tokens[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.einsum(
@@ -282,6 +296,7 @@ class Transformer(nnx.Module):
         return ModelOutput(
             logits=logits,
             routes=jnp.stack(routes) if routes else None,
+            router_choice=jnp.stack(choices) if choices else None,
             records=sites.records,
             kv=tuple(kvs),
         )

@@ -7,13 +7,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from trace_jax import fp4
 from trace_jax.model import ModelOutput, QuantPolicy, Transformer
 from trace_jax.model.policy import GuidedLayers
 from trace_jax.rl import metrics
-from trace_jax.rollout import RolloutState
+from trace_jax.rollout import RolloutState, SamplingConfig
 
 
 def train_policy(guided: GuidedLayers, fmt: str = "nvfp4") -> QuantPolicy:
@@ -27,6 +27,11 @@ def train_policy(guided: GuidedLayers, fmt: str = "nvfp4") -> QuantPolicy:
 def guidance_of(state: RolloutState) -> dict:
     """The rollout's guidance records, without the diagnostic ``<site>.codes`` entries."""
     return {k: v for k, v in state.guidance.items() if not k.endswith(".codes")}
+
+
+def codes_of(state: RolloutState) -> dict:
+    """The rollout's full codes (site name -> ``QTensor`` [R, S, ...] of ``state.code_rows``)."""
+    return {k.removesuffix(".codes"): v for k, v in state.guidance.items() if k.endswith(".codes")}
 
 
 @functools.partial(nnx.jit, static_argnames=("policy", "replay"))
@@ -46,44 +51,30 @@ def trainer_forward(
 
 
 def mismatch_report(
-    out: ModelOutput, state: RolloutState, policy: QuantPolicy, num_layers: int
+    out: ModelOutput,
+    state: RolloutState,
+    policy: QuantPolicy,
+    num_layers: int,
+    sampling: SamplingConfig | None = None,
 ) -> dict[str, float]:
-    """Token and code mismatch of a trainer forward ``out`` against the rollout ``state``.
+    """Token, code and routing mismatch of a trainer forward ``out`` against the rollout
+    ``state``, over the generated tokens.
 
-    Log-prob metrics are over the policy-generated tokens; code metrics (both sides in the
-    policy's diagnostic mode, ``record_codes=True``) over every filled slot. Besides the per-site
-    metrics of ``metrics.site_mismatch`` it gives their means over the sites the trainer guides
-    (``.../guided``) and over all sites (``.../all``).
+    Log-probs are scored under ``sampling`` (the rollout's sampling distribution; None: the
+    model's softmax, right for temperature 1). Code metrics (``metrics.site_mismatch``; the
+    trainer's forward in diagnostic mode, ``record_codes=True``) cover the rows whose codes the
+    rollout recorded. ``mismatch/route_rate`` compares the trainer router's own top-k with the
+    rollout's experts.
     """
-    filled = state.filled
-    train_logp = metrics.token_logprobs(out.logits, state.tokens)
-    report = {
-        k: float(v)
-        for k, v in metrics.logp_mismatch(train_logp, state.logprobs, state.generated).items()
-    }
-    sites = {
-        k: float(v) for k, v in metrics.site_mismatch(out.records, state.guidance, filled).items()
-    }
-    report.update(sites)
-    for stat in ("code_rate", "code_far", "d_act"):
-        all_v, guided_v = [], []
-        for key, value in sites.items():
-            _, name, site, layer = key.split("/")
-            if name != stat:
-                continue
-            all_v.append(value)
-            kind = "kv" if site.startswith("kv.") else "act"
-            if policy.site_mode(kind, int(layer), num_layers) == "guided":
-                guided_v.append(value)
-        if all_v:
-            report[f"mismatch/{stat}/all"] = float(np.mean(all_v))
-        if guided_v:
-            report[f"mismatch/{stat}/guided"] = float(np.mean(guided_v))
-    return report
-
-
-def route_rate(model: Transformer, state: RolloutState, policy: QuantPolicy) -> jax.Array:
-    """``mismatch/route_rate`` per MoE layer [L_moe] of the trainer's own routing (no replay)."""
-    out = trainer_forward(model, state, policy, replay=False)
-    filled = state.filled
-    return metrics.route_mismatch(out.routes, jnp.moveaxis(state.routes, 2, 0), filled)
+    gen = state.generated
+    train_logp = metrics.token_logprobs(out.logits, state.tokens, sampling)
+    report = metrics.logp_mismatch(train_logp, state.logprobs, gen)
+    rows = state.code_rows
+    train = {k: fp4.take_rows(v, rows) for k, v in out.records.items() if k.endswith(".codes")}
+    report.update(
+        metrics.site_mismatch(train, codes_of(state), gen[rows], policy.guided_sites(num_layers))
+    )
+    if out.router_choice is not None:
+        per_layer = metrics.route_mismatch(out.router_choice, jnp.moveaxis(state.routes, 2, 0), gen)
+        report["mismatch/route_rate"] = jnp.mean(per_layer)
+    return {k: float(v) for k, v in jax.device_get(report).items()}

@@ -4,18 +4,23 @@ baseline one config value away, metrics, checkpoints and resume.
 Training-side modes (``train_mode``): ``bf16`` (no quantization), ``qat`` (RTN fake quant at
 every site), ``trace`` (guided at the guided layers, RTN elsewhere), ``trace_all`` (guided
 everywhere). Rollout precision (``rollout``): ``bf16`` or ``fp4`` (routed-expert weights and
-activations and the KV cache in ``fmt``). A step:
+activations and the KV cache in ``fmt``). Every mode starts RL from the same policy: the
+supervised warm start runs in BF16 (as a pretrained model would be), writes ``policy/`` to the
+run directory, and ``init_checkpoint`` starts another run's RL from it. A step:
 
-1. the engine takes the parameters of ``staleness`` versions ago (0: the current ones);
+1. refit: the engine takes the parameters of ``staleness`` versions ago (0: the current ones),
+   quantizing (and, for the Pallas backend, prepacking) its FP4 expert weights once;
 2. it generates ``group_size`` samples for each of ``prompts_per_step`` prompts, recording
-   log-probs, expert routes and, under TRACE, guidance (multi-turn tasks alternate policy
-   turns and environment observations, which are not trained on);
+   log-probs of the sampling distribution, expert routes and, under TRACE, guidance
+   (multi-turn tasks alternate policy turns and environment observations, not trained on);
 3. rewards and group advantages; the guidance goes through the ``GuidanceCache`` keyed by
    (policy version, sample id) and the trainer fetches its batch from it;
-4. one GRPO-family update (``trace_jax.rl.losses``) with routing replay and the
-   trainer-vs-rollout importance correction;
-5. metrics (reward, entropy, length, mismatch, tokens/s, step time, guidance bytes) go to
-   ``metrics.jsonl`` and TensorBoard; checkpoints every ``checkpoint_every`` steps.
+4. ``ppo_epochs`` x ``minibatches`` GRPO-family updates (``trace_jax.rl.trainer``) with routing
+   replay, the trainer-vs-rollout importance correction and, with ``loss.kl_coef``, the k3 KL to
+   the frozen policy RL started from;
+5. metrics (reward, entropy, length, mismatch, code agreement at guided sites, seconds of every
+   phase, guidance bytes) go to ``metrics.jsonl`` and TensorBoard; checkpoints every
+   ``checkpoint_every`` steps.
 
 A killed run restarts from its last checkpoint (``resume``) and continues exactly: every random
 draw is a function of (seed, step) and the data stream's position is checkpointed.
@@ -43,13 +48,15 @@ from trace_jax.model import (
     Transformer,
     load_hf_checkpoint,
     make_mesh,
+    restore_params,
+    save_params,
     shard_model,
 )
 from trace_jax.rl import runlog, tasks_io
 from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.losses import LossConfig, group_advantages
 from trace_jax.rl.trainer import RLBatch, Trainer, TrainState
-from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+from trace_jax.rollout import RolloutConfig, RolloutEngine, RolloutState, SamplingConfig
 from trace_jax.tasks import prompt_stream
 
 TrainMode = Literal["bf16", "qat", "trace", "trace_all"]
@@ -89,21 +96,33 @@ class RLConfig:
     model: a ``ModelConfig`` preset (random init), unless ``hf_checkpoint`` is set.
     model_overrides: ``ModelConfig`` fields to change (e.g. ``{num_layers: 2}``).
     hf_checkpoint: a Qwen3-MoE / Qwen2-MoE checkpoint folder to start from.
+    init_checkpoint: start RL from these parameters: a run directory (its ``policy/``, the
+      policy its RL started from, e.g. a warm-start-only run with ``steps: 0``) or a folder
+      written by ``trace_jax.model.save_params``; the model config must match.
     train_mode: "bf16", "qat", "trace" or "trace_all".
     rollout: "bf16" or "fp4".
     fmt: "nvfp4" or "mxfp4".
     guided_layers: for ``trace``: "last_half" (default) or "last_k" (with ``guided_last_k``).
     guided_last_k: see ``guided_layers``.
-    steps: RL steps.
+    steps: RL steps (0: only the warm start, whose result is written to ``policy/``).
     prompts_per_step, group_size: P prompts, G samples each (B = P * G sequences).
     max_new_tokens: policy tokens per turn.
     max_turns: policy turns per episode (multi-turn tasks).
-    temperature, top_p: rollout sampling.
+    temperature, top_k, top_p: rollout sampling; the log-probs on both sides are those of this
+      sampling distribution (the behaviour policy).
     lr, weight_decay, grad_clip: AdamW on the RL steps.
     loss: GRPO-family options.
-    routing_replay: train with the rollout's expert choices.
-    staleness: rollouts come from the parameters of this many versions ago.
-    diagnostic: record full codes on both sides and log per-site code metrics.
+    ppo_epochs, minibatches: passes over each rollout batch and updates per pass (proximal
+      log-probs taken once before the first; 1 x 1: one on-policy update).
+    routing_replay: train with the rollout's expert choices (required by the guided modes:
+      expert-activation guidance is per expert slot of the rollout's routes).
+    staleness: rollouts come from the parameters of this many versions ago; their samples are
+      trained with their own guidance (TRACE.md section 4).
+    rollout_backend: "auto" (Pallas kernels on a GPU, XLA elsewhere), "xla" or "pallas".
+    code_metrics_rows: sequences per step whose full rollout codes are recorded for the code
+      metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none).
+    diagnostic: record full codes of every sequence (code metrics over the whole batch).
+    ref_on_host: keep the frozen reference policy (``loss.kl_coef > 0``) in host memory.
     warm_start: supervised steps before RL.
     eval_every: evaluate greedily on the eval split every this many RL steps (and at the end).
     eval_problems: eval problems per evaluation.
@@ -122,6 +141,7 @@ class RLConfig:
     model: str = "tiny"
     model_overrides: dict = dataclasses.field(default_factory=dict)
     hf_checkpoint: str = ""
+    init_checkpoint: str = ""
     train_mode: TrainMode = "trace"
     rollout: Literal["bf16", "fp4"] = "fp4"
     fmt: Literal["nvfp4", "mxfp4"] = "nvfp4"
@@ -133,14 +153,20 @@ class RLConfig:
     max_new_tokens: int = 16
     max_turns: int = 1
     temperature: float = 1.0
+    top_k: int = 0
     top_p: float = 1.0
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    ppo_epochs: int = 1
+    minibatches: int = 1
     routing_replay: bool = True
     staleness: int = 0
+    rollout_backend: Literal["auto", "xla", "pallas"] = "auto"
+    code_metrics_rows: int = 8
     diagnostic: bool = False
+    ref_on_host: bool = False
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     eval_every: int = 10
     eval_problems: int = 64
@@ -153,44 +179,79 @@ class RLConfig:
     plot: bool = True
 
     def __post_init__(self):
-        for key in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_turns"):
+        positive = ("prompts_per_step", "group_size", "max_new_tokens", "max_turns")
+        for key in (*positive, "ppo_epochs", "minibatches"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        for key in ("staleness", "eval_problems", "guidance_host_bytes"):
+        for key in ("steps", "staleness", "eval_problems", "guidance_host_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.code_metrics_rows < 0:
+            raise ConfigError(f"code_metrics_rows: must be >= 0, got {self.code_metrics_rows}")
         for key in ("eval_every", "checkpoint_every", "mesh_data", "mesh_expert"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        for key, batch in (
-            ("prompts_per_step", self.prompts_per_step * self.group_size),
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.minibatches:
+            raise ConfigError(
+                f"minibatches: {self.minibatches} does not divide the batch of {batch} sequences"
+            )
+        for key, size in (
+            ("prompts_per_step", batch // self.minibatches),
             ("warm_start.batch", self.warm_start.batch),
         ):
-            if batch % self.mesh_data:
-                raise ConfigError(f"{key}: its batch {batch} does not split over mesh_data")
+            if size % self.mesh_data:
+                raise ConfigError(f"{key}: its (mini)batch {size} does not split over mesh_data")
         if self.train_mode in ("trace", "trace_all") and self.rollout != "fp4":
             raise ConfigError(
                 f"train_mode: {self.train_mode} replays FP4 rollout guidance; it needs rollout: fp4"
             )
+        if self.train_mode in ("trace", "trace_all") and not self.routing_replay:
+            raise ConfigError(
+                f"routing_replay: train_mode {self.train_mode} needs it (the expert-activation "
+                "guidance is per expert slot of the rollout's routes)"
+            )
+        if self.init_checkpoint and self.warm_start.steps:
+            raise ConfigError(
+                "init_checkpoint: starts RL from a saved policy; set warm_start.steps: 0 "
+                f"(got {self.warm_start.steps})"
+            )
+        # The sampling distribution is checked where it is defined.
+        SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    @property
+    def backend(self) -> Literal["xla", "pallas"]:
+        """The rollout engine's backend: "auto" is Pallas on a GPU."""
+        if self.rollout_backend != "auto":
+            return self.rollout_backend
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+    @property
+    def code_metrics(self) -> bool:
+        """Whether rollout and trainer record full codes for the code metrics."""
+        quantized = self.rollout == "fp4" and self.train_mode != "bf16"
+        return quantized and (self.diagnostic or self.code_metrics_rows > 0)
 
 
 # ----------------------------------------------------------------------------- policies
 
 
 def rollout_policy(cfg: RLConfig) -> QuantPolicy:
-    """What the engine runs: BF16, or FP4 recording guidance at the layers the trainer guides."""
+    """What the engine runs: BF16, or FP4 recording guidance at the layers the trainer guides
+    (and full codes where the code metrics need them)."""
     if cfg.rollout == "bf16":
         return QuantPolicy.bf16()
-    if cfg.train_mode in ("trace", "trace_all"):
-        layers = "all" if cfg.train_mode == "trace_all" else cfg.guided_layers
-        return QuantPolicy.rollout(
-            cfg.fmt,
-            guided_layers=layers,
-            guided_last_k=cfg.guided_last_k,
-            record_codes=cfg.diagnostic,
-        )
-    kw = dict(record_codes=cfg.diagnostic, guided_layers="none")
-    return QuantPolicy.rollout(cfg.fmt, **kw) if cfg.diagnostic else QuantPolicy.qat(cfg.fmt)
+    layers = {"trace": cfg.guided_layers, "trace_all": "all"}.get(cfg.train_mode, "none")
+    return QuantPolicy.rollout(
+        cfg.fmt,
+        guided_layers=layers,
+        guided_last_k=cfg.guided_last_k,
+        record_codes=cfg.code_metrics,
+    )
 
 
 def train_policy(cfg: RLConfig) -> QuantPolicy:
@@ -198,11 +259,9 @@ def train_policy(cfg: RLConfig) -> QuantPolicy:
     if cfg.train_mode == "bf16":
         return QuantPolicy.bf16()
     if cfg.train_mode == "qat":
-        return QuantPolicy.qat(cfg.fmt, record_codes=cfg.diagnostic)
+        return QuantPolicy.qat(cfg.fmt)
     layers = "all" if cfg.train_mode == "trace_all" else cfg.guided_layers
-    return QuantPolicy.trace(
-        cfg.fmt, guided_layers=layers, guided_last_k=cfg.guided_last_k, record_codes=cfg.diagnostic
-    )
+    return QuantPolicy.trace(cfg.fmt, guided_layers=layers, guided_last_k=cfg.guided_last_k)
 
 
 def build_model(cfg: RLConfig, vocab_size: int) -> Transformer:
@@ -235,6 +294,8 @@ class RLRun:
         self.log = log
         self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)
         model = build_model(cfg, self.io.vocab_size)
+        if cfg.init_checkpoint:
+            _restore_policy(cfg.init_checkpoint, model)
         self.mesh = None
         if cfg.mesh_data * cfg.mesh_expert > 1:
             if cfg.mesh_data * cfg.mesh_expert > jax.device_count():
@@ -260,34 +321,50 @@ class RLRun:
                 optax.adamw(lr, weight_decay=cfg.weight_decay),
             )
 
-        policy = train_policy(cfg)
-        self.trainer = Trainer(model, policy, cfg.loss, adamw(cfg.lr), cfg.routing_replay)
-        self.sft_trainer = Trainer(model, policy, cfg.loss, adamw(cfg.warm_start.lr))
+        self.trainer = Trainer(
+            model,
+            train_policy(cfg),
+            cfg.loss,
+            adamw(cfg.lr),
+            cfg.routing_replay,
+            sampling=cfg.sampling,
+            ppo_epochs=cfg.ppo_epochs,
+            minibatches=cfg.minibatches,
+        )
+        # The warm start is the same for every mode: BF16, as a pretrained model would be.
+        self.sft_trainer = Trainer(model, QuantPolicy.bf16(), cfg.loss, adamw(cfg.warm_start.lr))
         self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
         rollout_cfg = RolloutConfig(
             max_len=self.max_len,
             max_new_tokens=cfg.max_new_tokens,
             kv_cache=kv,
-            sampling=SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p),
+            sampling=cfg.sampling,
             stop_tokens=self.io.stop_tokens,
             pad_token=self.io.pad_id,
             fp4_weights=cfg.rollout == "fp4",
+            backend=cfg.backend,
+            code_rows=None if cfg.diagnostic else cfg.code_metrics_rows or None,
         )
         self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
-        greedy = dataclasses.replace(rollout_cfg, sampling=SamplingConfig(temperature=0.0))
-        self.eval_engine = RolloutEngine(model, self.rollout_policy, greedy)
+        # Greedy evaluation with the rollout's precision and no records.
+        eval_policy = QuantPolicy.qat(cfg.fmt) if cfg.rollout == "fp4" else QuantPolicy.bf16()
+        greedy = dataclasses.replace(
+            rollout_cfg, sampling=SamplingConfig(temperature=0.0), code_rows=None
+        )
+        self.eval_engine = RolloutEngine(model, eval_policy, greedy)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
+        self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
 
     # ------------------------------------------------------------------ pieces
 
     def _key(self, step: int, what: int) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), what)
 
-    def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array):
+    def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array, times=None):
         """Generate for ``problems`` (one sequence each), running environments if multi-turn.
-        Returns (state, rewards [B])."""
-        return self.io.rollout(engine, problems, key, self.cfg.max_turns)
+        Returns (state, rewards [B]); ``times`` (a dict) collects the seconds of each part."""
+        return self.io.rollout(engine, problems, key, self.cfg.max_turns, times=times)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Greedy rollouts on the eval split with the rollout's precision: mean reward."""
@@ -315,6 +392,23 @@ class RLRun:
         tokens, mask = self._place(self.io.demonstrations(problems, self.max_len))
         return self.sft_trainer.sft_step(state, tokens, mask)
 
+    def _guidance(self, rs: RolloutState, version: int, ids: list, cache: GuidanceCache):
+        """The rollout's guidance for the trainer, through the cache (device -> host -> spill ->
+        trainer): the records of samples ``ids`` of policy ``version``, as device arrays."""
+        records = {k: v for k, v in rs.guidance.items() if not k.endswith(".codes")}
+        if not records:
+            return {}, {}
+        t0 = time.perf_counter()
+        cache.put_batch(version, ids, records)
+        fetched = cache.get(version, ids)
+        guidance = jax.block_until_ready(self._place(jax.tree.map(jnp.asarray, fetched)))
+        cache.evict(version_below=version)  # older versions are never trained on again
+        nbytes = sum(r.nbytes for r in fetched.values())
+        return guidance, {
+            "guidance/transfer_s": time.perf_counter() - t0,
+            "guidance/transfer_bytes": float(nbytes),
+        }
+
     def rl_step(
         self, state: TrainState, rollout_params, step: int, problems: list, cache: GuidanceCache
     ):
@@ -323,46 +417,53 @@ class RLRun:
         rl_index = step - cfg.warm_start.steps
         version = max(rl_index - cfg.staleness, 0)
         batch_problems = [pr for pr in problems for _ in range(g)]
-        t0 = time.perf_counter()
+        t_step = time.perf_counter()
         self.engine.update_params(self.trainer.model(rollout_params), version=version)
-        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1))
-        jax.block_until_ready(rs.tokens)
-        rollout_s = time.perf_counter() - t0
+        jax.block_until_ready(self.engine.state)
+        times = {"rollout/refit_s": time.perf_counter() - t_step}
+        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times)
         adv = group_advantages(jnp.asarray(rewards.reshape(p, g)), cfg.loss.advantage)
 
         ids = [f"{step}/{i}" for i in range(p * g)]
-        guidance = {}
-        if rs.guidance:
-            cache.put_batch(version, ids, rs.guidance)
-            guidance = jax.tree.map(jnp.asarray, cache.get(version, ids))
-            cache.evict(version_below=version)  # older versions are never trained on again
+        guidance, transfer = self._guidance(rs, version, ids, cache)
+        placed = self._place(
+            dict(
+                tokens=rs.tokens,
+                filled=rs.filled,
+                loss_mask=rs.generated,
+                rollout_logp=rs.logprobs,
+                advantages=adv.reshape(-1),
+            )
+        )
         batch = RLBatch(
-            tokens=rs.tokens,
-            filled=rs.filled,
-            loss_mask=rs.generated,
-            rollout_logp=rs.logprobs,
-            advantages=adv.reshape(-1),
+            **placed,
+            routes=self._place(jnp.moveaxis(rs.routes, 2, 0), batch_axis=1),
             guidance=guidance,
+            rollout_codes={
+                k.removesuffix(".codes"): v for k, v in rs.guidance.items() if k.endswith(".codes")
+            },
+            code_rows=rs.code_rows,
         )
-        batch = dataclasses.replace(
-            self._place(batch), routes=self._place(jnp.moveaxis(rs.routes, 2, 0), batch_axis=1)
-        )
-        t1 = time.perf_counter()
-        state, m = self.trainer.rl_step(state, batch)
-        m = {k: float(v) for k, v in m.items()}
-        train_s = time.perf_counter() - t1
+        ref = self.ref_params
+        if ref is not None and cfg.ref_on_host:
+            ref = jax.device_put(ref, jax.tree.map(lambda a: a.sharding, state.params))
+        state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
         generated = int(rs.generated.sum())
+        m.update(times)
+        m.update(transfer)
         m.update(
             {
                 "reward": float(rewards.mean()),
                 "response_length": generated / (p * g),
-                "rollout/tokens_per_s": generated / rollout_s,
-                "rollout/s": rollout_s,
-                "train/step_s": train_s,
+                "rollout/tokens_per_s": generated / times["rollout/decode_s"],
+                "train/step_s": sum(
+                    v for k, v in m.items() if k.startswith("train/") and k.endswith("_s")
+                ),
+                "step_s": time.perf_counter() - t_step,
                 "policy_version_lag": float(rl_index - version),
             }
         )
-        if self.rollout_policy.expert_acts == "record" or self.rollout_policy.kv == "record":
+        if self.guidance_bytes.compact:
             m.update(self.guidance_bytes.metrics())
         return state, m
 
@@ -373,6 +474,18 @@ class RLRun:
             return self._run()
         with jax.set_mesh(self.mesh):
             return self._run()
+
+    def _start_policy(self, params) -> None:
+        """Write the policy RL starts from to ``<run_dir>/policy`` (once) and, for the KL
+        term, keep it as the frozen reference."""
+        path = self.run_dir / "policy"
+        if not path.exists():
+            save_params(path, self.trainer.model(params))
+        if self.cfg.loss.kl_coef > 0:
+            ref = restore_params(path, self.trainer.model(_copy(params)))
+            self.ref_params = nnx.state(ref, nnx.Param)
+            if self.cfg.ref_on_host:
+                self.ref_params = jax.device_put(self.ref_params, jax.devices("cpu")[0])
 
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -396,6 +509,8 @@ class RLRun:
             for name, stream in streams.items():
                 stream.set_state(meta[name])
             self.log(f"resuming from the checkpoint of step {latest}")
+            if start > cfg.warm_start.steps:  # RL had started: its reference is on disk
+                self._start_policy(state.params)
         logger = runlog.MetricsLog(
             self.run_dir,
             resume_step=start - 1 if latest is not None else None,
@@ -415,6 +530,7 @@ class RLRun:
             else:
                 before = {}
                 if step == cfg.warm_start.steps:  # the policy RL starts from
+                    self._start_policy(state.params)
                     state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
                     history = [_copy(state.params)] * cfg.staleness
                     before = {
@@ -437,14 +553,37 @@ class RLRun:
             if (step + 1) % cfg.checkpoint_every == 0 or step == total - 1:
                 meta = {name: stream.get_state() for name, stream in streams.items()}
                 ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
+        if cfg.steps == 0:  # a warm start only: its result is the policy others start from
+            self._start_policy(state.params)
         cache.close()
         logger.close()
         ckpt.close()
         self.final_state = state
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
-        if cfg.plot:
+        if cfg.plot and records:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
         return {"last": last, "records": len(records)}
+
+
+def _restore_policy(path: str, model: Transformer) -> None:
+    """Load ``init_checkpoint`` into ``model``: a run directory's ``policy/`` or a folder of
+    ``save_params``. Raises ``ConfigError`` naming the folder when it is missing or does not fit
+    the model."""
+    folder = Path(path)
+    if (folder / "policy").is_dir():
+        folder = folder / "policy"
+    if not folder.is_dir():
+        raise ConfigError(
+            f"init_checkpoint: {path} is neither a run directory with policy/ nor "
+            "a parameter folder"
+        )
+    try:
+        restore_params(folder, model)
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"init_checkpoint: {folder} does not hold parameters of this model config ({first})"
+        ) from None
 
 
 def _copy(tree):
@@ -457,13 +596,17 @@ PROGRESS_KEYS = {
     "reward": "reward",
     "eval/reward": "eval_reward",
     "mismatch/logp_abs": "logp_abs",
+    "mismatch/guided_code_agreement": "guided_agree",
 }
 PLOT_KEYS = (
     "reward",
     "eval/reward",
     "mismatch/logp_abs",
     "mismatch/kl_k3",
+    "mismatch/guided_code_agreement",
+    "mismatch/route_rate",
     "train/entropy",
+    "loss/clip_frac",
     "response_length",
     "sft/loss",
 )

@@ -9,20 +9,43 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import fp4
+from trace_jax.rollout.sampling import SamplingConfig, scored_logits
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+def _next_token_logits(logits: jax.Array, tokens: jax.Array, sampling: SamplingConfig | None):
+    """[B, S, V] -> [B, S - 1, V] float32: position s's distribution over token s + 1, under the
+    sampling transform when one is given."""
+    if sampling is None:
+        return logits[:, :-1].astype(jnp.float32)
+    return scored_logits(logits[:, :-1], tokens[:, 1:], sampling)
+
+
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, sampling: SamplingConfig | None = None
+) -> jax.Array:
     """Log-prob of each token under the logits of the previous position.
 
     Args:
       logits: [B, S, V] float32 (position s predicts token s + 1).
       tokens: [B, S] int32.
+      sampling: score under the rollout's sampling distribution (temperature, top-k/top-p; see
+        ``trace_jax.rollout.sampling.scored_logits``); None: the model's own softmax.
     Returns:
       [B, S] float32; slot 0 (no previous position) is 0.
     """
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    lp = jax.nn.log_softmax(_next_token_logits(logits, tokens, sampling), axis=-1)
     picked = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def token_entropy(
+    logits: jax.Array, tokens: jax.Array, sampling: SamplingConfig | None = None
+) -> jax.Array:
+    """[B, S] entropy of the distribution that produced token s (slot 0: 0), aligned like
+    ``token_logprobs`` and under the same ``sampling`` transform."""
+    lp = jax.nn.log_softmax(_next_token_logits(logits, tokens, sampling), axis=-1)
+    h = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+    return jnp.pad(h, ((0, 0), (1, 0)))
 
 
 def _masked_mean(x, mask):
@@ -53,25 +76,53 @@ def _token_mask(mask: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.broadcast_to(mask.reshape(*mask.shape, *([1] * (values.ndim - 2))), values.shape)
 
 
-def code_mismatch(train: fp4.QTensor, rollout: fp4.QTensor, mask: jax.Array) -> dict:
-    """``code_rate`` (fraction of elements whose E2M1 value differs; +0/-0 equal) and ``d_act``
-    = ||Q_train - Q_rollout||_F / ||Q_rollout||_F over the masked tokens of a [B, S, ...] site."""
-    q_t, q_r = fp4.code_values(train), fp4.code_values(rollout)
-    m = _token_mask(mask, q_t)
-    differs = (q_t != q_r) & m
-    x_t = jnp.where(m, fp4.dequantize(train), 0.0)
-    x_r = jnp.where(m, fp4.dequantize(rollout), 0.0)
-    return {
-        "code_rate": jnp.sum(differs) / jnp.maximum(jnp.sum(m), 1),
-        "d_act": jnp.linalg.norm(x_t - x_r) / jnp.maximum(jnp.linalg.norm(x_r), 1e-30),
-    }
-
-
 def signed_code_index(values: jax.Array) -> jax.Array:
     """Position of E2M1 values on the signed codebook, -7..7 (+0 and -0 are 0)."""
     mags = jnp.asarray(fp4.E2M1_VALUES[:8])
     idx = jnp.searchsorted(mags, jnp.abs(values))
     return jnp.where(values < 0, -idx, idx)
+
+
+CODE_STATS = ("code_rate", "code_one_step", "code_far", "d_act")
+"""The per-site code metrics (TRACE.md section 7; defined in ``code_counts``'s docstring)."""
+
+
+def code_counts(train: fp4.QTensor, rollout: fp4.QTensor, mask: jax.Array) -> dict:
+    """Sums over the masked tokens of a [B, S, ...] site from which its code metrics follow.
+
+    Returns float32 scalars: ``elements``; ``mismatched`` (elements whose E2M1 values differ,
+    +0 and -0 equal); ``one_step`` (mismatched ones exactly one step apart on the signed
+    codebook); ``sq_diff`` = ||Q_train - Q_rollout||_F^2 and ``sq_rollout`` = ||Q_rollout||_F^2
+    of the dequantized values. Then ``code_rate = mismatched / elements``, ``code_one_step =
+    one_step / mismatched`` (the paper's statistic), ``code_far = 1 - code_one_step`` (two or more
+    steps apart: the only mismatches guided rounding leaves) and ``d_act = sqrt(sq_diff /
+    sq_rollout)``; the shares are undefined (NaN) where no code differs.
+    """
+    q_t, q_r = fp4.code_values(train), fp4.code_values(rollout)
+    m = _token_mask(mask, q_t)
+    steps = jnp.abs(signed_code_index(q_t) - signed_code_index(q_r))
+    x_t = jnp.where(m, fp4.dequantize(train), 0.0)
+    x_r = jnp.where(m, fp4.dequantize(rollout), 0.0)
+    count = lambda b: jnp.sum(b & m, dtype=jnp.float32)  # noqa: E731
+    return {
+        "elements": jnp.sum(m, dtype=jnp.float32),
+        "mismatched": count(steps > 0),
+        "one_step": count(steps == 1),
+        "sq_diff": jnp.sum(jnp.square(x_t - x_r)),
+        "sq_rollout": jnp.sum(jnp.square(x_r)),
+    }
+
+
+def code_stats(counts: dict) -> dict[str, jax.Array]:
+    """``CODE_STATS`` from (summed) ``code_counts``."""
+    mismatched = counts["mismatched"]
+    share = lambda n: jnp.where(mismatched > 0, n / jnp.maximum(mismatched, 1), jnp.nan)  # noqa: E731
+    return {
+        "code_rate": mismatched / jnp.maximum(counts["elements"], 1),
+        "code_one_step": share(counts["one_step"]),
+        "code_far": share(mismatched - counts["one_step"]),
+        "d_act": jnp.sqrt(counts["sq_diff"] / jnp.maximum(counts["sq_rollout"], 1e-30)),
+    }
 
 
 def route_mismatch(train_routes: jax.Array, rollout_routes: jax.Array, mask: jax.Array):
@@ -88,41 +139,47 @@ def route_mismatch(train_routes: jax.Array, rollout_routes: jax.Array, mask: jax
     return jnp.sum((~same) * m, axis=(1, 2)) / jnp.maximum(jnp.sum(m, axis=(1, 2)), 1.0)
 
 
-def _site_key(name: str) -> tuple[str, str]:
+def site_key(name: str) -> tuple[str, str]:
     """ "layers.3.kv.k" -> ("kv.k", "3")."""
     _, layer, site = name.split(".", 2)
     return site, layer
 
 
 def site_mismatch(
-    train_records: dict, rollout_records: dict, mask: jax.Array
+    train_records: dict,
+    rollout_codes: dict,
+    mask: jax.Array,
+    guided_sites: frozenset[str] = frozenset(),
 ) -> dict[str, jax.Array]:
-    """Per-site code mismatch of a diagnostic-mode pair of forwards (TRACE.md section 7).
+    """Code metrics of the trainer's forward against the rollout's codes (TRACE.md section 7).
 
     Args:
-      train_records, rollout_records: the ``<site>.codes`` QTensors [B, S, ...] that
-        ``QuantPolicy(record_codes=True)`` records on each side (other keys are ignored).
-      mask: [B, S] bool, the tokens that count.
+      train_records: the trainer's records; its ``<site>.codes`` QTensors [B', S, ...] count.
+      rollout_codes: site name -> the rollout's ``QTensor`` [B', S, ...] for the same rows.
+      mask: [B', S] bool, the tokens that count (the generated ones).
+      guided_sites: the site names the trainer guides.
     Returns:
-      ``mismatch/code_rate/<site>/<layer>``, ``mismatch/d_act/<site>/<layer>`` and
-      ``mismatch/code_far/<site>/<layer>``: the fraction of elements whose codes are two or more
-      steps apart on the signed codebook (the only mismatches guided rounding leaves: the
-      rollout's code was not a neighbour of the trainer's input).
+      ``mismatch/<stat>/<site>/<layer>`` for each ``CODE_STATS`` stat and site both sides
+      recorded, the same pooled over ``all``, ``guided`` and ``unguided`` sites
+      (``mismatch/<stat>/<group>``), and ``mismatch/guided_code_agreement`` (the share of
+      guided-site elements whose trainer code is the rollout's: 1 - ``code_rate/guided``).
     """
-    out = {}
-    for name, train in train_records.items():
-        if not name.endswith(".codes") or name not in rollout_records:
+    out, pooled = {}, {}
+    for name, rollout in rollout_codes.items():
+        train = train_records.get(name + ".codes")
+        if train is None:
             continue
-        rollout = rollout_records[name]
-        site, layer = _site_key(name.removesuffix(".codes"))
-        stats = code_mismatch(train, rollout, mask)
-        steps = jnp.abs(
-            signed_code_index(fp4.code_values(train)) - signed_code_index(fp4.code_values(rollout))
-        )
-        m = _token_mask(mask, steps)
-        out[f"mismatch/code_rate/{site}/{layer}"] = stats["code_rate"]
-        out[f"mismatch/d_act/{site}/{layer}"] = stats["d_act"]
-        out[f"mismatch/code_far/{site}/{layer}"] = jnp.sum((steps >= 2) & m) / jnp.maximum(
-            jnp.sum(m), 1
-        )
+        counts = code_counts(train, rollout, mask)
+        site, layer = site_key(name)
+        for stat, value in code_stats(counts).items():
+            out[f"mismatch/{stat}/{site}/{layer}"] = value
+        for group in ("all", "guided" if name in guided_sites else "unguided"):
+            acc = pooled.setdefault(group, dict.fromkeys(counts, 0.0))
+            for k, v in counts.items():
+                acc[k] = acc[k] + v
+    for group, counts in pooled.items():
+        for stat, value in code_stats(counts).items():
+            out[f"mismatch/{stat}/{group}"] = value
+    if "guided" in pooled:
+        out["mismatch/guided_code_agreement"] = 1.0 - out["mismatch/code_rate/guided"]
     return out

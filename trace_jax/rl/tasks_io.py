@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.config import ConfigError
+from trace_jax.rl.timing import PhaseTimer
 from trace_jax.rollout import RolloutEngine, RolloutState
 from trace_jax.tasks import TOKENIZER, Problem, demonstration_tokens, make_task
 from trace_jax.tasks.tokenizer import EOS, EOT
@@ -84,29 +85,43 @@ class TaskIO:
         return self.tok.decode(ids[gen], errors="replace")
 
     def rollout(
-        self, engine: RolloutEngine, problems: list[Problem], key: jax.Array, max_turns: int
+        self,
+        engine: RolloutEngine,
+        problems: list[Problem],
+        key: jax.Array,
+        max_turns: int,
+        times: dict[str, float] | None = None,
     ) -> tuple[RolloutState, np.ndarray]:
-        """Generate one sequence per problem. Returns the final state and rewards [B] float32."""
+        """Generate one sequence per problem. Returns the final state and rewards [B] float32.
+
+        ``times``, if given, receives the seconds of each part: ``rollout/prefill_s`` (prompts
+        and observations appended), ``rollout/decode_s`` (the engine's decode loops) and
+        ``rollout/env_s`` (the host-side reward and environment steps).
+        """
+        clock = PhaseTimer(times)
         tokens, valid = self._prompts(problems)
         if tokens.shape[1] >= engine.cfg.max_len:
             raise ConfigError(
                 f"max_new_tokens: a prompt of {tokens.shape[1]} tokens leaves no room in "
                 f"max_len={engine.cfg.max_len}"
             )
-        state = engine.append(engine.start(len(problems)), tokens, valid)
+        state = clock(
+            "rollout/prefill_s", engine.append, engine.start(len(problems)), tokens, valid
+        )
         starts = np.asarray(state.lengths)
         if not self.multi_turn:
-            state = engine.decode(state, key)
-            ends = np.asarray(state.lengths)
-            rewards = [
-                self.task.reward(p, self.completion(state, b, starts[b], ends[b]))
-                for b, p in enumerate(problems)
-            ]
+            state = clock("rollout/decode_s", engine.decode, state, key)
+            with clock.part("rollout/env_s"):
+                ends = np.asarray(state.lengths)
+                rewards = [
+                    self.task.reward(p, self.completion(state, b, starts[b], ends[b]))
+                    for b, p in enumerate(problems)
+                ]
             return state, np.asarray(rewards, np.float32)
-        return self._episodes(engine, problems, state, key, max_turns)
+        return self._episodes(engine, problems, state, key, max_turns, clock)
 
-    def _episodes(self, engine, problems, state, key, max_turns):
-        b_size, max_len = len(problems), engine.cfg.max_len
+    def _episodes(self, engine, problems, state, key, max_turns, clock):
+        b_size = len(problems)
         envs = [self.task.env(p) for p in problems]
         for env, p in zip(envs, problems, strict=True):
             env.reset(p)
@@ -114,23 +129,15 @@ class TaskIO:
         rewards = np.zeros(b_size, np.float32)
         for turn in range(max_turns):
             before = np.asarray(state.lengths)
-            state = engine.decode(
+            state = clock(
+                "rollout/decode_s",
+                engine.decode,
                 dataclasses.replace(state, done=jnp.asarray(finished)),
                 jax.random.fold_in(key, turn),
             )
-            after = np.asarray(state.lengths)
-            observations = []
-            for b, env in enumerate(envs):
-                if finished[b]:
-                    observations.append([])
-                    continue
-                obs, done, reward = env.step(self.completion(state, b, before[b], after[b]))
-                ids = self.tok.encode(obs)
-                if done or after[b] + len(ids) >= max_len:  # no room for another turn: ends
-                    finished[b] = True
-                    rewards[b] = reward if done else 0.0
-                    ids = []
-                observations.append(ids)
+            with clock.part("rollout/env_s"):
+                after = np.asarray(state.lengths)
+                observations = self._env_step(envs, state, before, after, finished, rewards)
             if finished.all() or turn == max_turns - 1:
                 break
             width = max(1, max(len(o) for o in observations))
@@ -139,8 +146,33 @@ class TaskIO:
             for b, ids in enumerate(observations):
                 obs_tokens[b, : len(ids)] = ids
                 obs_valid[b, : len(ids)] = True
-            state = engine.append(state, jnp.asarray(obs_tokens), jnp.asarray(obs_valid))
+            state = clock(
+                "rollout/prefill_s",
+                engine.append,
+                state,
+                jnp.asarray(obs_tokens),
+                jnp.asarray(obs_valid),
+            )
         return state, rewards
+
+    def _env_step(self, envs, state, before, after, finished, rewards) -> list[list[int]]:
+        """Each unfinished episode's environment takes the turn the policy just generated
+        (slots ``before``..``after``); returns the observation tokens to append (none for an
+        episode that ended: ``finished`` and ``rewards`` are updated in place)."""
+        max_len = state.tokens.shape[1]
+        observations = []
+        for b, env in enumerate(envs):
+            if finished[b]:
+                observations.append([])
+                continue
+            obs, done, reward = env.step(self.completion(state, b, before[b], after[b]))
+            ids = self.tok.encode(obs)
+            if done or after[b] + len(ids) >= max_len:  # no room for another turn: ends
+                finished[b] = True
+                rewards[b] = reward if done else 0.0
+                ids = []
+            observations.append(ids)
+        return observations
 
     # ------------------------------------------------------------------ warm start
 

@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels import fp4_decode_attention
@@ -49,6 +50,8 @@ class RolloutConfig:
       and/or "attention" (decode attention, the K/V append fused into its launch) or
       "attention_tc" (an NVFP4 / MXFP4 cache the tensor-core kernel takes goes to it, the
       append fused in the same way; other caches as "attention").
+    code_rows: under a policy that records full codes (``record_codes``, for code metrics), how
+      many sequences of a batch record them (evenly spaced, ``sampled_rows``); None: all.
     """
 
     max_len: int = 256
@@ -60,10 +63,13 @@ class RolloutConfig:
     fp4_weights: bool = True
     backend: Literal["xla", "pallas"] = "xla"
     kernels: tuple[Literal["moe", "attention", "attention_tc"], ...] = ("moe", "attention")
+    code_rows: int | None = None
 
     def __post_init__(self):
         if self.max_len <= 0 or self.max_new_tokens <= 0:
             raise ConfigError("max_len and max_new_tokens must be positive")
+        if self.code_rows is not None and self.code_rows <= 0:
+            raise ConfigError(f"code_rows: must be positive or None, got {self.code_rows}")
         if self.backend not in ("xla", "pallas"):
             raise ConfigError(f"backend: must be 'xla' or 'pallas', got {self.backend!r}")
         if not set(self.kernels) <= {"moe", "attention", "attention_tc"}:
@@ -87,6 +93,8 @@ class RolloutState:
         the policy's diagnostic mode, ``<site>.codes`` -> the rollout's full ``QTensor``).
       last_logits: [B, V] float32, the logits after each sequence's last token.
       done: [B] bool, the sequence's current decode has ended.
+      code_rows: [R] int32, the sequences whose ``<site>.codes`` records are kept (their rows
+        of those records, in this order).
     """
 
     cache: kv_cache.KVCache
@@ -97,6 +105,7 @@ class RolloutState:
     guidance: dict[str, Record]
     last_logits: jax.Array
     done: jax.Array
+    code_rows: jax.Array
 
     @property
     def lengths(self) -> jax.Array:
@@ -119,6 +128,13 @@ def _record_buffer(record: Record, max_len: int) -> Record:
     mode = "row" if record.fmt.has_global_scale else "tensor"
     qt = fp4.quantize(jnp.zeros(shape, jnp.float32), record.fmt, global_scale=mode)
     return fp4.rollout_guidance(qt) if isinstance(record, fp4.Guidance) else qt
+
+
+def sampled_rows(batch: int, n: int | None) -> np.ndarray:
+    """[min(n, batch)] int32: ``n`` rows spread evenly over a batch (all rows for None)."""
+    if n is None or n >= batch:
+        return np.arange(batch, dtype=np.int32)
+    return (np.arange(n) * batch // n).astype(np.int32)
 
 
 def _array_fields(record: Record) -> tuple[str, ...]:
@@ -230,6 +246,7 @@ class RolloutEngine:
             guidance=self._empty_guidance(batch),
             last_logits=jnp.zeros((batch, m.vocab_size), jnp.float32),
             done=jnp.zeros((batch,), bool),
+            code_rows=jnp.asarray(sampled_rows(batch, c.code_rows)),
         )
 
     def _empty_guidance(self, batch: int) -> dict[str, Record]:
@@ -253,13 +270,14 @@ class RolloutEngine:
         if batch not in self._record_shapes:
             self._record_shapes[batch] = jax.eval_shape(records, self.state)
         shapes = self._record_shapes[batch]
-        return {
-            name: _record_buffer(
-                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g), self.cfg.max_len
-            )
-            for name, g in shapes.items()
-            if isinstance(g, (fp4.Guidance, fp4.QTensor))
-        }
+        rows = sampled_rows(batch, self.cfg.code_rows)
+        out = {}
+        for name, g in shapes.items():
+            g = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g)
+            if name.endswith(".codes"):
+                g = fp4.take_rows(g, rows)
+            out[name] = _record_buffer(g, self.cfg.max_len)
+        return out
 
     # ------------------------------------------------------------------ steps
 
@@ -323,10 +341,14 @@ class RolloutEngine:
         lengths = state.cache.lengths
         logits, records, routes, cache = self._forward(model, state.cache, tokens, valid)
         put = functools.partial(kv_cache.scatter_rows, lengths=lengths, valid=valid)
-        guidance = {
-            name: _write_record(buf, records[name], lengths, valid)
-            for name, buf in state.guidance.items()
-        }
+        guidance = {}
+        for name, buf in state.guidance.items():
+            rec, rows = records[name], state.code_rows
+            if name.endswith(".codes") and buf.shape[0] != tokens.shape[0]:
+                rec = fp4.take_rows(rec, rows)
+                guidance[name] = _write_record(buf, rec, lengths[rows], valid[rows])
+            else:
+                guidance[name] = _write_record(buf, rec, lengths, valid)
         new_routes = state.routes
         if routes is not None:
             new_routes = put(state.routes, jnp.moveaxis(routes, 0, 2))

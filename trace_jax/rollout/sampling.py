@@ -1,5 +1,10 @@
 """Token sampling with temperature, top-k and top-p, returning the log-prob of the sampled token
-under the exact (tempered, truncated) distribution it was drawn from."""
+under the exact (tempered, truncated) distribution it was drawn from.
+
+That distribution is the *behaviour policy* of RL: the trainer scores a sampled token under the
+same transform of its own logits (``scored_logits``), so that importance weights and mismatch
+metrics compare like with like (temperature and truncation are not a trainer-rollout mismatch).
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,25 @@ def sampling_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
         keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
         logits = jnp.where(keep, logits, neg)
     return logits
+
+
+def scored_logits(logits: jax.Array, tokens: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """The sampling distribution's logits for scoring ``tokens`` under it ([..., V] float32).
+
+    ``sampling_logits`` of ``logits``, except that each scored token stays in the truncated set:
+    a token the rollout drew from its top-k / top-p set is never given probability 0 because
+    the scorer's own set, from slightly different logits, ended one token earlier.
+
+    Args:
+      logits: [..., V].
+      tokens: [...] int32, the token scored at each position.
+    """
+    dist = sampling_logits(logits, cfg)
+    if cfg.temperature == 0 or (cfg.top_k == 0 and cfg.top_p == 1):
+        return dist
+    tempered = logits.astype(jnp.float32) / cfg.temperature
+    scored = jnp.arange(logits.shape[-1]) == tokens[..., None]
+    return jnp.where(scored, tempered, dist)
 
 
 def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig):
