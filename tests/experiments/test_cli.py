@@ -62,7 +62,8 @@ def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys)
     results = json.loads((run_dir / "results.json").read_text())
     none, every = results["none"], results["all"]
     assert every["mismatch/logp_abs"] < none["mismatch/logp_abs"]
-    assert every["mismatch/code_rate/guided"] == every["mismatch/code_far/guided"]
+    # what guidance leaves is two or more code steps apart (a share of 1 of the mismatches)
+    assert every["mismatch/code_rate/guided"] == 0 or every["mismatch/code_far/guided"] == 1
     assert none["mismatch/code_rate/all"] > every["mismatch/code_rate/all"]
     assert none["guidance/bytes_per_token"] == 0 < every["guidance/bytes_per_token"]
     assert (run_dir / "code_rate_per_layer.png").stat().st_size > 0

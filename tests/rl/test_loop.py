@@ -1,5 +1,7 @@
-"""The RL loop: a killed run resumes to the same metrics; multi-turn episodes keep environment
-tokens out of the loss and aligned with what the environment said."""
+"""The RL loop: a killed run resumes to the same metrics (staleness, several updates per batch
+and the KL reference included); every mode starts RL from one BF16 warm start; guidance under
+staleness stays with its samples; multi-turn episodes keep environment tokens out of the loss and
+aligned with what the environment said."""
 
 import dataclasses
 import json
@@ -10,12 +12,11 @@ import pytest
 from flax import nnx
 
 from trace_jax.config import ConfigError, from_dict
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.guidance import GuidanceVersionError
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer, restore_params, save_params
 from trace_jax.rl import loop
 from trace_jax.rl.tasks_io import TaskIO
 from trace_jax.rollout import RolloutConfig, RolloutEngine
-
-TIMING = ("rollout/s", "rollout/tokens_per_s", "train/step_s")
 
 
 def small(**kw) -> loop.RLConfig:
@@ -31,18 +32,26 @@ def small(**kw) -> loop.RLConfig:
         eval_problems=4,  # a rollout batch: the greedy evaluation prefills with its program
         checkpoint_every=2,
         guidance_host_bytes=0,  # every guidance record goes through a tensorstore spill
-        staleness=1,
+        staleness=2,
+        ppo_epochs=2,
+        minibatches=2,
+        loss={"kl_coef": 0.05},
         diagnostic=True,
         plot=False,
     )
     return from_dict(loop.RLConfig, {**base, **kw})
 
 
+def timing(key: str) -> bool:
+    return key.endswith("_s")
+
+
 def records(run_dir):
+    """The metrics of each step without the wall-clock ones, as JSON text (NaN compares equal)."""
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.append({k: v for k, v in r.items() if k not in TIMING})
+        out.append(json.dumps({k: v for k, v in r.items() if not timing(k)}, sort_keys=True))
     return out
 
 
@@ -54,15 +63,37 @@ class Killed(Exception):
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
     cfg = small()
     loop.RLRun(cfg, tmp_path / "a", log=lambda *_: None).run()
+    text = (tmp_path / "a" / "metrics.jsonl").read_text()
+    raw = [json.loads(line) for line in text.splitlines()]
     want = records(tmp_path / "a")
-    assert [r["step"] for r in want] == list(range(4))
-    assert "sft/loss" in want[0] and "mismatch/logp_abs" in want[1] and "eval/reward" in want[2]
-    assert want[1]["guidance/bytes_per_token"] > 0
-    # one version stale: the first RL step samples with the warm-started parameters, as does
-    # the second; diagnostic mode logs per-site code metrics of the guided layer
-    assert [r["policy_version_lag"] for r in want[1:]] == [0, 1, 1]
-    assert want[1]["mismatch/code_rate/kv.k/0"] < 0.01 and "mismatch/d_act/kv.v/0" in want[1]
-    assert want[1]["mismatch/route_rate"] == 0.0  # routing replay
+    assert [r["step"] for r in raw] == list(range(4))
+    assert "sft/loss" in raw[0] and "mismatch/logp_abs" in raw[1] and "eval/reward" in raw[2]
+    assert raw[1]["guidance/bytes_per_token"] > 0
+    # two versions stale: the first RL steps sample with the warm-started parameters; each
+    # sample is trained with its own version's guidance: at lag 0 it gives the rollout's codes,
+    # later the trainer's inputs also drift by the updates since (logged apart: the agreement)
+    assert [r["policy_version_lag"] for r in raw[1:]] == [0, 1, 2]
+    assert raw[1]["mismatch/guided_code_agreement"] > 0.99
+    assert raw[1]["mismatch/code_rate/kv.k/0"] < 0.01 and "mismatch/d_act/kv.v/0" in raw[1]
+    for r in raw[1:]:
+        assert 0 < r["mismatch/guided_code_agreement"] <= 1 and r["loss/kl_ref"] >= 0
+        # every phase timed; tokens/s counts the decode loop only
+        for phase in (
+            "rollout/refit_s",
+            "rollout/prefill_s",
+            "rollout/decode_s",
+            "rollout/env_s",
+            "guidance/transfer_s",
+            "train/score_s",
+            "train/forward_backward_s",
+            "train/optimizer_s",
+            "step_s",
+        ):
+            assert r[phase] > 0, phase
+        generated = r["response_length"] * 4
+        assert r["rollout/tokens_per_s"] * r["rollout/decode_s"] == pytest.approx(generated)
+    # the updates after the first leave the reference; a resumed run restores it (below)
+    assert raw[1]["loss/kl_ref"] > 0
 
     # Kill the second run inside step 2, after the checkpoint of step 1.
     real_step = loop.RLRun.rl_step
@@ -75,7 +106,7 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     monkeypatch.setattr(loop.RLRun, "rl_step", dying)
     with pytest.raises(Killed):
         loop.RLRun(cfg, tmp_path / "b", log=lambda *_: None).run()
-    assert [r["step"] for r in records(tmp_path / "b")] == [0, 1]
+    assert [json.loads(r)["step"] for r in records(tmp_path / "b")] == [0, 1]
     monkeypatch.setattr(loop.RLRun, "rl_step", real_step)
     logs = []
     loop.RLRun(cfg, tmp_path / "b", log=logs.append).run()
@@ -127,6 +158,58 @@ def test_multi_turn_episodes_append_observations_outside_the_loss():
         assert 1 <= turns <= 5
 
 
+def params_of(folder):
+    model = Transformer(ModelConfig.preset("tiny").replace(num_layers=1), nnx.Rngs(9))
+    return [np.asarray(a) for a in jax.tree.leaves(nnx.state(restore_params(folder, model)))]
+
+
+def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
+    """The warm start is BF16 whatever the mode (as a pretrained model would be): a
+    warm-start-only run (``steps: 0``) writes ``policy/``; runs of other modes started from it
+    with ``init_checkpoint`` begin RL from exactly those parameters."""
+    quiet = dict(log=lambda *_: None)
+    warm = dict(steps=0, staleness=0, eval_problems=0)
+    loop.RLRun(small(**warm), tmp_path / "warm_trace", **quiet).run()
+    loop.RLRun(small(**warm, train_mode="qat"), tmp_path / "warm_qat", **quiet).run()
+    start = params_of(tmp_path / "warm_trace" / "policy")
+    for a, b in zip(start, params_of(tmp_path / "warm_qat" / "policy"), strict=True):
+        np.testing.assert_array_equal(a, b)
+    cfg = small(
+        train_mode="qat",
+        warm_start={"steps": 0},
+        init_checkpoint=str(tmp_path / "warm_trace"),
+        steps=1,
+        staleness=0,
+        eval_problems=0,
+        loss={},
+    )
+    loop.RLRun(cfg, tmp_path / "qat", **quiet).run()
+    for a, b in zip(start, params_of(tmp_path / "qat" / "policy"), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A policy of another model config is refused, naming the folder.
+    other = tmp_path / "two_layers"
+    save_params(other, Transformer(ModelConfig.preset("tiny").replace(num_layers=2), nnx.Rngs(0)))
+    with pytest.raises(ConfigError, match=r"init_checkpoint: .*two_layers does not hold"):
+        loop.RLRun(small(warm_start={"steps": 0}, init_checkpoint=str(other)), tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"init_checkpoint: .* is neither"):
+        loop.RLRun(small(warm_start={"steps": 0}, init_checkpoint=str(tmp_path / "none")), "/x")
+
+
+def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch):
+    """Under staleness 2 the samples of version v - 2 are trained with that version's guidance;
+    guidance filed under any other version never reaches them."""
+    from trace_jax.guidance import GuidanceCache
+
+    real_put = GuidanceCache.put_batch
+
+    def mislabelled(self, version, ids, records):
+        return real_put(self, version + 1, ids, records)
+
+    monkeypatch.setattr(GuidanceCache, "put_batch", mislabelled)
+    with pytest.raises(GuidanceVersionError, match="recorded under version"):
+        loop.RLRun(small(warm_start={"steps": 0}), tmp_path / "run", log=lambda *_: None).run()
+
+
 def test_configs_refuse_bad_combinations():
     with pytest.raises(ConfigError, match=r"train_mode: trace .* needs rollout: fp4"):
         small(train_mode="trace", rollout="bf16")
@@ -134,4 +217,13 @@ def test_configs_refuse_bad_combinations():
         small(loss={"is_cap": -1.0})
     with pytest.raises(ConfigError, match=r"task\.name: unknown task 'chess'"):
         loop.RLRun(small(task={"name": "chess"}), "/tmp/unused")
+    with pytest.raises(ConfigError, match=r"routing_replay: train_mode trace needs it"):
+        small(routing_replay=False)
+    small(routing_replay=False, train_mode="qat")  # unguided modes may train without replay
+    with pytest.raises(ConfigError, match=r"minibatches: 3 does not divide the batch of 4"):
+        small(minibatches=3)
+    with pytest.raises(ConfigError, match=r"init_checkpoint: .* warm_start\.steps: 0"):
+        small(init_checkpoint="runs/x")
+    with pytest.raises(ConfigError, match=r"top_p"):
+        small(top_p=0.0)
     assert dataclasses.replace(small(), staleness=2).staleness == 2

@@ -487,6 +487,33 @@ class RLRun:
             if self.cfg.ref_on_host:
                 self.ref_params = jax.device_put(self.ref_params, jax.devices("cpu")[0])
 
+    def _step(self, step: int, state: TrainState, history: list, streams: dict, cache):
+        """Step ``step`` of the run: a warm-start update, or an RL step (the first one takes
+        the policy RL starts from). Returns (state, history, metrics)."""
+        cfg = self.cfg
+        if step < cfg.warm_start.steps:
+            state, m = self.warm_start_step(state, next(streams["sft_stream"]))
+            return state, history, {k: float(v) for k, v in m.items()}
+        before = {}
+        if step == cfg.warm_start.steps:  # the policy RL starts from
+            self._start_policy(state.params)
+            state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
+            history = [_copy(state.params)] * cfg.staleness
+            before = {
+                k.replace("eval/reward", "eval/reward_start"): v
+                for k, v in self.evaluate(state.params, step).items()
+            }
+        rollout_params = history[0] if history else state.params
+        if history:  # this version, for the rollouts `staleness` steps from now
+            history = [*history[1:], _copy(state.params)]
+        problems = next(streams["rl_stream"])
+        state, m = self.rl_step(state, rollout_params, step, problems, cache)
+        m.update(before)
+        rl_done = step - cfg.warm_start.steps + 1
+        if rl_done % cfg.eval_every == 0 or step == cfg.warm_start.steps + cfg.steps - 1:
+            m.update(self.evaluate(state.params, step))
+        return state, history, m
+
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         total = cfg.warm_start.steps + cfg.steps
@@ -523,41 +550,24 @@ class RLRun:
         cache = GuidanceCache(spill, host_budget_bytes=cfg.guidance_host_bytes)
         progress = runlog.Progress(total, "train", start=start)
         last: dict[str, float] = {}
-        for step in range(start, total):
-            if step < cfg.warm_start.steps:
-                state, m = self.warm_start_step(state, next(streams["sft_stream"]))
-                m = {k: float(v) for k, v in m.items()}
-            else:
-                before = {}
-                if step == cfg.warm_start.steps:  # the policy RL starts from
-                    self._start_policy(state.params)
-                    state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
-                    history = [_copy(state.params)] * cfg.staleness
-                    before = {
-                        k.replace("eval/reward", "eval/reward_start"): v
-                        for k, v in self.evaluate(state.params, step).items()
-                    }
-                rollout_params = history[0] if history else state.params
-                if history:  # this version, for the rollouts `staleness` steps from now
-                    history = [*history[1:], _copy(state.params)]
-                problems = next(streams["rl_stream"])
-                state, m = self.rl_step(state, rollout_params, step, problems, cache)
-                m.update(before)
-                rl_done = step - cfg.warm_start.steps + 1
-                if rl_done % cfg.eval_every == 0 or step == total - 1:
-                    m.update(self.evaluate(state.params, step))
-            logger.write(step, m)
-            last = m
-            info = " ".join(f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m)
-            progress.update(step + 1, info)
-            if (step + 1) % cfg.checkpoint_every == 0 or step == total - 1:
-                meta = {name: stream.get_state() for name, stream in streams.items()}
-                ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
-        if cfg.steps == 0:  # a warm start only: its result is the policy others start from
-            self._start_policy(state.params)
-        cache.close()
-        logger.close()
-        ckpt.close()
+        try:  # a failing or interrupted run still closes its files (checkpoints stay)
+            for step in range(start, total):
+                state, history, m = self._step(step, state, history, streams, cache)
+                logger.write(step, m)
+                last = m
+                info = " ".join(
+                    f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m
+                )
+                progress.update(step + 1, info)
+                if (step + 1) % cfg.checkpoint_every == 0 or step == total - 1:
+                    meta = {name: stream.get_state() for name, stream in streams.items()}
+                    ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
+            if cfg.steps == 0:  # a warm start only: its result is the policy others start from
+                self._start_policy(state.params)
+        finally:
+            cache.close()
+            logger.close()
+            ckpt.close()
         self.final_state = state
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
         if cfg.plot and records:
