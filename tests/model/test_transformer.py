@@ -10,6 +10,7 @@ from flax import nnx
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, layers
 from trace_jax.model.policy import SiteContext
+from trace_jax.tasks import TOKENIZER
 
 CFG = ModelConfig.preset("tiny")
 
@@ -27,6 +28,9 @@ def test_tiny_preset_is_small_and_param_count_is_exact(model):
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == CFG.num_params() < 5_000_000
     assert 100e6 <= ModelConfig.preset("small").num_params() <= 300e6
+    medium = ModelConfig.preset("medium")
+    assert 0.5e9 <= medium.num_params() <= 1e9 and medium.num_experts_per_tok == 8
+    assert medium.vocab_size == TOKENIZER.vocab_size  # sized to the tasks' byte tokenizer
     assert abs(ModelConfig.preset("qwen3-30b-a3b").num_params() / 30.5e9 - 1) < 0.01
     assert abs(ModelConfig.preset("qwen3-235b-a22b").num_params() / 235.1e9 - 1) < 0.01
 

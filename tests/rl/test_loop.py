@@ -227,3 +227,13 @@ def test_configs_refuse_bad_combinations():
     with pytest.raises(ConfigError, match=r"top_p"):
         small(top_p=0.0)
     assert dataclasses.replace(small(), staleness=2).staleness == 2
+
+
+def test_learning_rate_schedules_by_hand():
+    cosine = loop.learning_rate(1e-3, 10, "cosine", 110)
+    assert float(cosine(0)) == 0 and float(cosine(5)) == pytest.approx(5e-4)
+    assert float(cosine(10)) == pytest.approx(1e-3) and float(cosine(110)) == pytest.approx(0)
+    assert float(cosine(60)) == pytest.approx(5e-4, rel=1e-4)  # half-way down the cosine
+    warm = loop.learning_rate(2e-5, 4, "constant", 0)
+    assert [float(warm(i)) for i in (0, 2, 4, 100)] == pytest.approx([0, 1e-5, 2e-5, 2e-5])
+    assert float(loop.learning_rate(3e-3, 0, "constant", 0)(7)) == pytest.approx(3e-3)

@@ -204,6 +204,23 @@ PRESETS: dict[str, ModelConfig] = {
         param_dtype="float32",
         dtype="bfloat16",
     ),
+    # The study's model on one GPU: ~0.96 B parameters (~0.17 B active), Qwen3-30B-A3B's
+    # proportions (64 experts of width 0.375 H, top-8, GQA 8:1 with 128-wide heads, q width 2 H)
+    # and a vocabulary sized to the tasks' byte-level tokenizer.
+    "medium": ModelConfig(
+        vocab_size=256,
+        hidden_size=1024,
+        num_layers=12,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        intermediate_size=3072,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+        param_dtype="float32",
+        dtype="bfloat16",
+    ),
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151_936,
         hidden_size=2048,

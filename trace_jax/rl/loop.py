@@ -80,12 +80,38 @@ class WarmStartConfig:
     Attributes:
       steps: updates (0: none).
       batch: demonstrations per update.
-      lr: learning rate.
+      lr: peak learning rate.
+      warmup_steps: linear warm-up from 0 to ``lr`` over this many updates.
+      schedule: after the warm-up, "constant" or "cosine" (decays to 0 at the last update).
     """
 
     steps: int = 0
     batch: int = 32
     lr: float = 3e-3
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+
+    def __post_init__(self):
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise ConfigError("steps and warmup_steps: must be >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be positive, got {self.lr}")
+
+    def learning_rate(self) -> optax.Schedule:
+        """The warm start's schedule of ``steps`` updates."""
+        return learning_rate(self.lr, self.warmup_steps, self.schedule, self.steps)
+
+
+def learning_rate(peak: float, warmup: int, schedule: str, total: int) -> optax.Schedule:
+    """Linear warm-up to ``peak`` over ``warmup`` updates, then constant or a cosine decay to 0
+    at update ``total``."""
+    if schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, max(warmup, 1), max(total, warmup + 1), end_value=0.0
+        )
+    if warmup == 0:
+        return optax.constant_schedule(peak)
+    return optax.linear_schedule(0.0, peak, warmup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +136,8 @@ class RLConfig:
     max_turns: policy turns per episode (multi-turn tasks).
     temperature, top_k, top_p: rollout sampling; the log-probs on both sides are those of this
       sampling distribution (the behaviour policy).
-    lr, weight_decay, grad_clip: AdamW on the RL steps.
+    lr, weight_decay, grad_clip: AdamW on the RL updates (peak learning rate).
+    lr_warmup_steps: linear warm-up of the RL learning rate over this many updates.
     loss: GRPO-family options.
     ppo_epochs, minibatches: passes over each rollout batch and updates per pass (proximal
       log-probs taken once before the first; 1 x 1: one on-policy update).
@@ -156,6 +183,7 @@ class RLConfig:
     top_k: int = 0
     top_p: float = 1.0
     lr: float = 1e-3
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -183,7 +211,13 @@ class RLConfig:
         for key in (*positive, "ppo_epochs", "minibatches"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        for key in ("steps", "staleness", "eval_problems", "guidance_host_bytes"):
+        for key in (
+            "steps",
+            "lr_warmup_steps",
+            "staleness",
+            "eval_problems",
+            "guidance_host_bytes",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
         if self.code_metrics_rows < 0:
@@ -315,7 +349,7 @@ class RLRun:
 
         # Warm start and RL have their own AdamW (same state structure); RL starts from a
         # fresh optimizer state, as the warm start's moments describe another objective.
-        def adamw(lr):
+        def adamw(lr: optax.Schedule):
             return optax.chain(
                 optax.clip_by_global_norm(cfg.grad_clip),
                 optax.adamw(lr, weight_decay=cfg.weight_decay),
@@ -325,14 +359,16 @@ class RLRun:
             model,
             train_policy(cfg),
             cfg.loss,
-            adamw(cfg.lr),
+            adamw(learning_rate(cfg.lr, cfg.lr_warmup_steps, "constant", 0)),
             cfg.routing_replay,
             sampling=cfg.sampling,
             ppo_epochs=cfg.ppo_epochs,
             minibatches=cfg.minibatches,
         )
         # The warm start is the same for every mode: BF16, as a pretrained model would be.
-        self.sft_trainer = Trainer(model, QuantPolicy.bf16(), cfg.loss, adamw(cfg.warm_start.lr))
+        self.sft_trainer = Trainer(
+            model, QuantPolicy.bf16(), cfg.loss, adamw(cfg.warm_start.learning_rate())
+        )
         self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
         rollout_cfg = RolloutConfig(
@@ -493,7 +529,10 @@ class RLRun:
         cfg = self.cfg
         if step < cfg.warm_start.steps:
             state, m = self.warm_start_step(state, next(streams["sft_stream"]))
-            return state, history, {k: float(v) for k, v in m.items()}
+            m = {k: float(v) for k, v in m.items()}
+            if cfg.steps == 0 and step == cfg.warm_start.steps - 1:  # what the warm start gives
+                m.update(self.evaluate(state.params, step))
+            return state, history, m
         before = {}
         if step == cfg.warm_start.steps:  # the policy RL starts from
             self._start_policy(state.params)
