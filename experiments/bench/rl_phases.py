@@ -1,0 +1,61 @@
+"""Per-phase seconds of RL runs from their ``metrics.jsonl``: the median over the RL steps after
+the first (which compiles), one row per run, and reward / eval reward / mismatch at the end.
+
+    python experiments/bench/rl_phases.py runs/medium-bf16 runs/medium-trace ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+PHASES = (
+    "rollout/refit_s",
+    "rollout/prefill_s",
+    "rollout/decode_s",
+    "rollout/env_s",
+    "guidance/transfer_s",
+    "train/score_s",
+    "train/forward_backward_s",
+    "train/optimizer_s",
+    "step_s",
+)
+
+
+def phase_table(run_dir: Path) -> dict[str, float]:
+    """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/transfer_bytes`` over the
+    RL steps of a run after its first; plus the last train reward, eval reward and logp_abs."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    rl = [r for r in map(json.loads, lines) if "reward" in r]
+    steady = rl[1:] or rl
+    row: dict[str, float] = {"rl_steps": float(len(rl))}
+    for key in (*PHASES, "rollout/tokens_per_s", "guidance/transfer_bytes"):
+        values = [r[key] for r in steady if key in r]
+        if values:
+            row[key] = statistics.median(values)
+    for key in ("reward", "eval/reward", "mismatch/logp_abs", "mismatch/guided_code_agreement"):
+        values = [r[key] for r in rl if key in r]
+        if values:
+            row[f"last {key}"] = values[-1]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+")
+    args = parser.parse_args(argv)
+    rows = {Path(d).name: phase_table(Path(d)) for d in args.run_dirs}
+    keys = list(dict.fromkeys(k for row in rows.values() for k in row))
+    print(f"{'':34s}" + "".join(f"{name[:16]:>17s}" for name in rows))
+    for key in keys:
+        cells = "".join(
+            f"{row[key]:17.4g}" if key in row else f"{'-':>17s}" for row in rows.values()
+        )
+        print(f"{key:34s}{cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

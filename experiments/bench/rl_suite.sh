@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# RL on the GPU, step by step (run from the repository root; the entry point needs the wheels
+# of ../shared/tools/gpu-wheels on PYTHONPATH). Each step runs under its own time limit with its
+# output in $OUT/<step>.log; a line per step (exit status, seconds, last line) ends the run.
+# Run directories go to runs/ on the machine; the RL steps end with their per-phase table.
+#
+#   bash experiments/bench/rl_suite.sh mismatch-small overhead-medium   # some steps
+#   bash experiments/bench/rl_suite.sh --list                           # the steps
+set -u
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT" runs
+PY=${PYTHON:-python3}
+BENCH=experiments/bench
+RUN="$PY -m experiments run"
+MEDIUM=configs/reasoning/medium.yaml
+PHASES="$PY $BENCH/rl_phases.py"
+
+# name | time limit (s) | command
+STEPS=(
+  "mismatch-small|400|for b in xla pallas; do $RUN configs/trace_mismatch.yaml model=small batch=32 prompt_len=16 max_new_tokens=64 backend=\$b plot=false --run-dir runs/mismatch-\$b; done"
+  "overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
+  "smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
+  "warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
+)
+
+if [ "${1:-}" = "--list" ]; then
+  for s in "${STEPS[@]}"; do echo "$s"; done
+  exit 0
+fi
+
+summary=()
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$s"
+  if [ $# -gt 0 ] && ! printf '%s\n' "$@" | grep -qx "$name"; then
+    continue
+  fi
+  echo "== $name ($limit s): $cmd"
+  start=$(date +%s)
+  timeout "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - start))
+  grep -v '^train \[' "$OUT/$name.log" | tail -n 30
+  summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
+done
+echo
+echo "== summary"
+for line in "${summary[@]}"; do echo "$line"; done
