@@ -42,7 +42,8 @@ def test_defaults_overrides_and_round_trip():
 @pytest.mark.parametrize(
     ("data", "match"),
     [
-        ({"lrr": 1.0}, r"unknown config key\(s\) lrr"),
+        ({"lrr": 1.0}, r"^lrr: unknown config key; known: flag, inner"),
+        ({"lrr": 1.0, "x": 2}, r"^lrr, x: unknown config keys"),
         ({"inner": {"depth": 2}}, r"inner\.depth"),
         ({"inner": {"fmt": "fp8"}}, r"inner\.fmt: 'fp8' is not one of"),
         ({"inner": {"width": "wide"}}, r"inner\.width: expected an integer"),
@@ -62,3 +63,23 @@ def test_malformed_override():
         apply_overrides({}, ["lr"])
     with pytest.raises(ConfigError, match="lr is not a section"):
         apply_overrides({"lr": 1}, ["lr.x=2"])
+
+
+def test_config_diff_names_dotted_keys_old_and_new():
+    from trace_jax.config import UNSET, config_diff, flatten, format_diff
+
+    old = {"lr": 0.001, "inner": {"width": 4, "fmt": "nvfp4"}, "layers": [1, 2], "args": {}}
+    new = {"lr": 0.001, "inner": {"width": 8, "fmt": "nvfp4"}, "layers": [1, 3], "extra": True}
+    assert flatten(old) == {"lr": 0.001, "inner.width": 4, "inner.fmt": "nvfp4",
+                            "layers": [1, 2], "args": {}}  # fmt: skip
+    diff = config_diff(old, new)
+    assert diff == [
+        ("args", {}, UNSET),
+        ("extra", UNSET, True),
+        ("inner.width", 4, 8),
+        ("layers", [1, 2], [1, 3]),
+    ]
+    assert format_diff(diff) == (
+        "args {} -> <unset>, extra <unset> -> true, inner.width 4 -> 8, layers [1, 2] -> [1, 3]"
+    )
+    assert config_diff(old, old) == [] and config_diff({"lr": 1}, {"lr": 1.0}) == []

@@ -30,7 +30,8 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         names = ", ".join(_join(prefix, k) for k in unknown)
-        raise ConfigError(f"unknown config key(s) {names}; known: {', '.join(sorted(fields))}")
+        what = "unknown config key" + ("s" if len(unknown) > 1 else "")
+        raise ConfigError(f"{names}: {what}; known: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _convert(hints[name], value, _join(prefix, name))
@@ -71,6 +72,41 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = child
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
     return out
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{dotted.key: leaf}`` (an empty mapping is kept as a leaf)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _join(prefix, str(key))
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+UNSET = "<unset>"
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The leaves two (nested) configs disagree on: ``[(dotted key, old, new)]`` sorted by key;
+    a key present on one side only has ``UNSET`` on the other."""
+    a, b = flatten(old), flatten(new)
+    keys = sorted(set(a) | set(b))
+    diff = [(k, a.get(k, UNSET), b.get(k, UNSET)) for k in keys]
+    return [(k, x, y) for k, x, y in diff if x != y]
+
+
+def format_diff(diff: Sequence[tuple[str, Any, Any]]) -> str:
+    """``key old -> new, ...`` on one line (values as YAML flow scalars)."""
+
+    def show(v):
+        if v is UNSET:
+            return v
+        return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+    return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in diff)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -125,23 +125,8 @@ def compare_trainers(run: RLRun, params, step: int, prompts: int) -> dict[str, d
 def quickstart(cfg: QuickstartConfig, run_dir: Path) -> dict:
     run = RLRun(cfg, run_dir)
     results = run.run()
-    records = [r for r in _read(run_dir)]
-    start = next((r["eval/reward_start"] for r in records if "eval/reward_start" in r), None)
-    end = [r["eval/reward"] for r in records if "eval/reward" in r]
-    train = [r["reward"] for r in records if "reward" in r]
-    k = max(1, len(train) // 5)
     comparison = compare_trainers(run, run.final_state.params, 10**6, cfg.compare_prompts)
-    split = cfg.eval_split
-    table = {
-        f"greedy reward ({split} split) before RL": start,
-        f"greedy reward ({split} split) after RL": end[-1] if end else None,
-        f"train reward, first {k} steps": float(np.mean(train[:k])) if train else None,
-        f"train reward, last {k} steps": float(np.mean(train[-k:])) if train else None,
-    }
-    print("\n" + "=" * 72)
-    for key, value in table.items():
-        print(f"{key:44s} {value if value is None else f'{value:.3f}'}")
-    print("-" * 72)
+    print("\n" + "-" * 72)
     print(
         f"{'trainer vs the same FP4 rollouts':28s} {'logp_abs':>10s} {'kl_k3':>10s} "
         f"{'code_rate':>10s}"
@@ -153,13 +138,7 @@ def quickstart(cfg: QuickstartConfig, run_dir: Path) -> dict:
         )
     print("-" * 72)
     print(f"plots: {run_dir / 'curves.png'}; metrics: {run_dir / 'metrics.jsonl'}")
-    return {**results, "summary": table, "mismatch": comparison}
-
-
-def _read(run_dir: Path):
-    from trace_jax.rl.runlog import read_metrics
-
-    return read_metrics(run_dir / "metrics.jsonl")
+    return {**results, "mismatch": comparison}
 
 
 # ----------------------------------------------------------------------------- PTQ
@@ -181,21 +160,31 @@ class PTQEvalConfig(RLConfig):
 def ptq_eval(cfg: PTQEvalConfig, run_dir: Path) -> dict:
     run = RLRun(cfg, run_dir)
     results = run.run()
-    params = run.final_state.params
-    model = run.trainer.model(params)
-    step = 10**6
-    rewards = {"bf16": run.evaluate(params, step).get("eval/reward")}
-    for rule in cfg.ptq_scale_rules:
-        policy = QuantPolicy.qat(cfg.fmt, weight_scale_rule=rule)
-        engine = RolloutEngine(
-            model,
-            policy,
-            dataclasses.replace(run.eval_engine.cfg, kv_cache=cfg.fmt, fp4_weights=True),
-        )
-        problems = [run.io.problem("eval", i) for i in range(cfg.eval_problems)]
-        _, r = run.io.rollout(engine, problems, run._key(step, 2), cfg.max_turns)
-        rewards[f"fp4 ptq ({rule})"] = float(np.mean(r))
-    print("\npost-hoc quantization of the BF16-trained policy (greedy eval reward)")
+    rewards = ptq_rewards(run, run.final_state.params, step=10**6)
+    split = cfg.eval_split
+    print(f"\npost-hoc quantization of the BF16-trained policy (greedy reward, {split} split)")
     for k, v in rewards.items():
         print(f"  {k:28s} {v:.3f}")
     return {**results, "ptq_eval_reward": rewards}
+
+
+def ptq_rewards(run: RLRun, params, step: int) -> dict[str, float]:
+    """Greedy mean reward of the BF16 policy and of its post-hoc FP4 quantizations (one per
+    ``ptq_scale_rules`` entry), all on the same ``eval_problems`` of ``eval_split`` with the
+    same key."""
+    cfg = run.cfg
+    model = run.trainer.model(params)
+    problems = [run.io.problem(cfg.eval_split, i) for i in range(cfg.eval_problems)]
+    run.eval_engine.update_params(model, version=step)
+    engines = {"bf16": run.eval_engine}
+    for rule in cfg.ptq_scale_rules:
+        engines[f"fp4 ptq ({rule})"] = RolloutEngine(
+            model,
+            QuantPolicy.qat(cfg.fmt, weight_scale_rule=rule),
+            dataclasses.replace(run.eval_engine.cfg, kv_cache=cfg.fmt, fp4_weights=True),
+        )
+    rewards = {}
+    for name, engine in engines.items():
+        _, r = run.io.rollout(engine, problems, run._key(step, 2), cfg.max_turns)
+        rewards[name] = float(np.mean(r))
+    return rewards

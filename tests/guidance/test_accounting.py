@@ -117,8 +117,11 @@ def test_compact_guidance_is_at_most_1_6_bits_per_element_plus_scales(preset, fm
     block_only = model_guidance_bytes(cfg, QuantPolicy.rollout(fmt, act_global_scale="tensor"))
     # 1 mantissa bit + an 8-bit block scale per 16 (NVFP4) or 32 (MXFP4) elements
     assert block_only.bits_per_guided_element == (1.5 if fmt == "nvfp4" else 1.25)
-    # + one FP32 global scale per row (NVFP4): rows are at least head_dim long
+    # + one FP32 global scale per row (NVFP4): rows are at least head_dim long; MXFP4 has none
     row_bits = 32 / min(cfg.head_dim, cfg.moe_intermediate_size, cfg.hidden_size)
-    assert half.bits_per_guided_element <= 1.5 + row_bits if fmt == "nvfp4" else 1.25
+    if fmt == "nvfp4":
+        assert 1.5 < half.bits_per_guided_element <= 1.5 + row_bits
+    else:
+        assert half.bits_per_guided_element == 1.25
     assert every.compact == 2 * half.compact  # the deeper half of an even layer count
     assert every.full == half.full and 1 / half.ratio_to_full > 4.5  # vs full guidance

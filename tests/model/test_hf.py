@@ -551,3 +551,31 @@ def test_loading_onto_a_mesh_places_experts_by_their_logical_axes(jax_exports):
     np.testing.assert_array_equal(
         np.asarray(gate), np.asarray(model.layers[0].mlp.gate_proj.get_value())
     )
+
+
+def test_unreadable_checkpoints_and_configs_are_named(jax_exports, tmp_path):
+    # A truncated safetensors file, a config.json that is not JSON, lacks a key or is not an
+    # object, and a missing folder: each a CheckpointError naming the file (and the key).
+    _, _, folder = jax_exports["jax_qwen2"]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    data = (folder / SAFE_WEIGHTS).read_bytes()
+    (bad / SAFE_WEIGHTS).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{bad / SAFE_WEIGHTS}: not a readable safetensors"):
+        load_hf_checkpoint(bad)
+    (bad / SAFE_WEIGHTS).write_bytes(data)
+    good = json.loads((folder / "config.json").read_text())
+    for text, match in [
+        ("{bad", r"config\.json: not valid JSON"),
+        (json.dumps({k: v for k, v in good.items() if k != "hidden_size"}), "key 'hidden_size'"),
+        ("[1]", r"config\.json: expected a JSON object, got list"),
+        (json.dumps({**good, "model_type": "llama"}), r"config\.json: model_type: 'llama'"),
+    ]:
+        (bad / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=match) as err:
+            load_hf_checkpoint(bad)
+        assert str(bad / "config.json") in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint folder .*nowhere does not exist"):
+        load_hf_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"nowhere does not exist"):
+        read_hf_params(tmp_path / "nowhere", JAX_QWEN2)

@@ -8,6 +8,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from trace_jax.model.hf import CheckpointError, MissingCheckpointError
+
 
 def save_params(path: str | Path, model: nnx.Module) -> None:
     """Write ``model``'s parameters to the folder ``path`` (must not exist)."""
@@ -20,16 +22,24 @@ def restore_params(path: str | Path, model: nnx.Module) -> nnx.Module:
     """Load parameters saved by ``save_params`` into ``model`` (same config), in place.
 
     The restored arrays keep the shardings (and dtypes) of ``model``'s current parameters.
-    Raises ``FileNotFoundError`` naming ``path`` when it holds no checkpoint.
+    Raises ``MissingCheckpointError`` (a ``FileNotFoundError``) naming ``path`` when it holds no
+    checkpoint, ``CheckpointError`` naming it when it cannot be read into ``model`` (damaged, or
+    written for another model configuration).
     """
     path = Path(path).absolute()
     if not path.is_dir():
-        raise FileNotFoundError(f"no parameter checkpoint at {path}")
+        raise MissingCheckpointError(f"no parameter checkpoint at {path}")
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         nnx.state(model, nnx.Param),
     )
-    with ocp.StandardCheckpointer() as ckpt:
-        state = ckpt.restore(path, target)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            state = ckpt.restore(path, target)
+    except Exception as e:  # orbax and tensorstore raise many types; all mean "not readable"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"{path}: not a parameter checkpoint of this model ({type(e).__name__}: {first})"
+        ) from e
     nnx.update(model, state)
     return model

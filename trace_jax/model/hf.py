@@ -29,6 +29,7 @@ tensor at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -65,7 +66,37 @@ Path_ = tuple[str | int, ...]
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model configuration (names the tensor and file)."""
+    """A checkpoint that is missing, unreadable or does not match the model configuration (the
+    message names the file, and the tensor or key)."""
+
+
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """A checkpoint folder or file that does not exist."""
+
+
+@contextlib.contextmanager
+def _safe_open(file: Path) -> Iterator[Any]:
+    """``safetensors.safe_open`` whose failure on a truncated or corrupt file names the file."""
+    try:
+        handle = safetensors.safe_open(file, framework="numpy")
+    except (safetensors.SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    with handle as f:
+        yield f
+
+
+def _read_json(file: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``file``; a missing, malformed or non-object file is a
+    ``CheckpointError`` naming it."""
+    if not file.is_file():
+        raise MissingCheckpointError(f"{file} does not exist ({what})")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 # ----------------------------------------------------------------------------- the layout table
@@ -202,10 +233,14 @@ def _checkpoint_entries(folder: Path) -> dict[str, _Entry]:
     """Every tensor of a checkpoint folder with its file, shape and dtype (headers only)."""
     index = folder / SAFE_INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing the mapping 'weight_map'")
         files = sorted(set(weight_map.values()))
     elif (folder / SAFE_WEIGHTS).is_file():
         weight_map, files = {}, [SAFE_WEIGHTS]
+    elif not folder.is_dir():
+        raise MissingCheckpointError(f"checkpoint folder {folder} does not exist")
     else:
         raise CheckpointError(f"{folder} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}")
     entries: dict[str, _Entry] = {}
@@ -213,7 +248,7 @@ def _checkpoint_entries(folder: Path) -> dict[str, _Entry]:
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{index} lists {name}, which does not exist in {folder}")
-        with safetensors.safe_open(file, framework="numpy") as f:
+        with _safe_open(file) as f:
             for key in f.keys():
                 if key in entries:
                     raise CheckpointError(
@@ -310,7 +345,7 @@ def read_hf_params(
     for t in tensors:
         by_file.setdefault(entries[t.name].file, []).append(t)
     for file, file_tensors in by_file.items():
-        with safetensors.safe_open(file, framework="numpy") as f:
+        with _safe_open(file) as f:
             for t in file_tensors:
                 x = _get_tensor(f, t.name, entries[t.name], file)
                 for s in t.slots:
@@ -350,7 +385,7 @@ def _get_tensor(f, name: str, entry: _Entry, file: Path) -> np.ndarray:
 
 def _check_tied_copy(entries: dict[str, _Entry], folder: Path) -> None:
     def read(name):
-        with safetensors.safe_open(entries[name].file, framework="numpy") as f:
+        with _safe_open(entries[name].file) as f:
             return _get_tensor(f, name, entries[name], entries[name].file)
 
     head, embed = read("lm_head.weight"), read("model.embed_tokens.weight")
@@ -364,6 +399,22 @@ def _check_tied_copy(entries: dict[str, _Entry], folder: Path) -> None:
 def _stored_dtype(hf: dict[str, Any]) -> str:
     name = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     return name if name in ("float32", "bfloat16") else "bfloat16"
+
+
+def _config_of(folder: Path) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint folder's ``config.json``, in its stored dtype; any
+    fault of the file is a ``CheckpointError`` naming it (and the key)."""
+    if not folder.is_dir():
+        raise MissingCheckpointError(f"checkpoint folder {folder} does not exist")
+    file = folder / CONFIG
+    hf = _read_json(file, "the Hugging Face model config")
+    stored = _stored_dtype(hf)
+    try:
+        return ModelConfig.from_hf(hf, param_dtype=stored, dtype=stored)
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing the key {e.args[0]!r}") from None
+    except (ConfigError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def load_hf_checkpoint(
@@ -386,9 +437,7 @@ def load_hf_checkpoint(
       (cfg, model) with ``model.cfg == cfg``.
     """
     if cfg is None:
-        hf = json.loads((Path(path) / CONFIG).read_text())
-        stored = _stored_dtype(hf)
-        cfg = ModelConfig.from_hf(hf, param_dtype=stored, dtype=stored)
+        cfg = _config_of(Path(path))
     if dtype is not None:
         cfg = cfg.replace(param_dtype=dtype)
     params = read_hf_params(path, cfg, mesh=mesh, rules=rules)

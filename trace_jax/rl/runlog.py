@@ -1,7 +1,10 @@
-"""Run outputs: metrics as JSONL and TensorBoard, a progress line with ETA, and PNG curves.
+"""Run outputs: metrics as JSONL and TensorBoard, a progress line with ETA, PNG curves, the
+run's summary, and the record of the settings that produced its steps.
 
 ``metrics.jsonl`` holds one JSON object per step (``{"step": n, ...}``); on resume it is cut back
-to the checkpointed step so that the file equals that of an uninterrupted run.
+to the checkpointed step so that the file equals that of an uninterrupted run. ``config.yaml``
+holds the settings of step 0; a resume with other settings adds ``config.changed-at-step-N.yaml``
+(those of steps N onward) and never rewrites ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 
 class MetricsLog:
@@ -131,3 +137,128 @@ def plot_curves(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------- run summary
+
+
+def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") -> dict[str, Any]:
+    """The numbers a run ends with, from its ``metrics.jsonl`` records (one function, used by the
+    run's final table, ``compare`` and the sweep report).
+
+    RL steps are the records with a train ``reward``; a fifth is ``max(1, n // 5)`` of them.
+    Returns a flat dict (a metric that was not logged is left out):
+
+      eval_split, rl_steps, fifth: the split evaluated, the RL step count, the fifth's length.
+      eval/reward_start, eval/reward_end: greedy reward on ``eval_split`` before the first RL
+        update and at the last evaluation.
+      reward/first_fifth, reward/last_fifth: mean train reward (sampled rollouts).
+      mismatch/logp_abs/last_fifth, mismatch/kl_k3/last_fifth: means over the last fifth.
+      time/<key>: for every logged ``<key>`` ending in ``_s`` (seconds of a phase), its mean over
+        the RL steps after the first (which compiles); ``rate/<key>`` likewise for ``_per_s``.
+    """
+    rl = [r for r in records if "reward" in r]
+    n = len(rl)
+    k = max(1, n // 5)
+    out: dict[str, Any] = {"eval_split": eval_split, "rl_steps": n, "fifth": k}
+
+    def mean(key, recs):
+        values = [float(r[key]) for r in recs if key in r]
+        return sum(values) / len(values) if values else None
+
+    start = next((r["eval/reward_start"] for r in records if "eval/reward_start" in r), None)
+    end = [r["eval/reward"] for r in records if "eval/reward" in r]
+    stats = {
+        "eval/reward_start": start,
+        "eval/reward_end": end[-1] if end else None,
+        "reward/first_fifth": mean("reward", rl[:k]),
+        "reward/last_fifth": mean("reward", rl[-k:]),
+        "mismatch/logp_abs/last_fifth": mean("mismatch/logp_abs", rl[-k:]),
+        "mismatch/kl_k3/last_fifth": mean("mismatch/kl_k3", rl[-k:]),
+    }
+    timed = rl[1:] if n > 1 else rl
+    for key in sorted({key for r in rl for key in r if key.endswith("_s")}):
+        group = "rate" if key.endswith("_per_s") else "time"
+        stats[f"{group}/{key}"] = mean(key, timed)
+    out.update({key: float(v) for key, v in stats.items() if v is not None})
+    return out
+
+
+def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float]]:
+    """``(key, label, value)`` of a ``summarize`` dict, in reading order, labelled for a table."""
+    split, n, k = (summary.get(key) for key in ("eval_split", "rl_steps", "fifth"))
+    labels = {
+        "eval/reward_start": f"eval reward (greedy, {split} split), start of RL",
+        "eval/reward_end": f"eval reward (greedy, {split} split), end of RL",
+        "reward/first_fifth": f"train reward (sampled), first {k} of {n} RL steps",
+        "reward/last_fifth": f"train reward (sampled), last {k} of {n} RL steps",
+        "mismatch/logp_abs/last_fifth": f"mismatch/logp_abs, mean of the last {k} RL steps",
+        "mismatch/kl_k3/last_fifth": f"mismatch/kl_k3, mean of the last {k} RL steps",
+    }
+    rows = [(key, label, summary[key]) for key, label in labels.items() if key in summary]
+    for key in sorted(summary):
+        if key.startswith("time/"):
+            rows.append((key, f"{key[5:]}: mean seconds per RL step after the first", summary[key]))
+        elif key.startswith("rate/"):
+            rows.append((key, f"{key[5:]}: mean over the RL steps after the first", summary[key]))
+    return rows
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The summary as a two-column text table."""
+    rows = summary_rows(summary)
+    width = max((len(label) for _, label, _ in rows), default=0)
+    return "\n".join(f"{label:{width}s}  {value:.4g}" for _, label, value in rows)
+
+
+# ----------------------------------------------------------------------------- run directory
+
+CONFIG = "config.yaml"
+CONFIG_CHANGE = "config.changed-at-step-{step}.yaml"
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in ``<run_dir>/checkpoints`` (orbax writes a step to
+    a temporary folder and renames it to the bare step number when it is complete)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def config_history(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``[(first step, config file)]`` of a run directory, oldest first: ``config.yaml`` (step 0)
+    and one ``config.changed-at-step-N.yaml`` per resume with changed settings."""
+    run_dir = Path(run_dir)
+    out = [(0, run_dir / CONFIG)] if (run_dir / CONFIG).is_file() else []
+    prefix, suffix = CONFIG_CHANGE.split("{step}")
+    for p in run_dir.glob(CONFIG_CHANGE.format(step="*")):
+        step = p.name.removeprefix(prefix).removesuffix(suffix)
+        if step.isdigit():
+            out.append((int(step), p))
+    return sorted(out)
+
+
+def current_config(run_dir: str | Path) -> dict | None:
+    """The settings the newest steps of a run directory ran with (None: a new directory)."""
+    history = config_history(run_dir)
+    return yaml.safe_load(history[-1][1].read_text()) if history else None
+
+
+def record_config(run_dir: str | Path, resolved: Mapping[str, Any]) -> int:
+    """Record ``resolved`` as the settings of the steps a (resumed) run is about to log.
+
+    A run resumes after its newest checkpoint: the settings of step N onward go to
+    ``config.changed-at-step-N.yaml`` and ``config.yaml`` keeps those of step 0. Without a
+    checkpoint every step is logged anew, so ``config.yaml`` is written. Records of steps that
+    will be logged again are removed. Returns N (0 for ``config.yaml``).
+    """
+    run_dir = Path(run_dir)
+    steps = checkpoint_steps(run_dir)
+    first = steps[-1] + 1 if steps else 0
+    for step, path in config_history(run_dir):
+        if step >= first and path.name != CONFIG:
+            path.unlink()
+    name = CONFIG_CHANGE.format(step=first) if first else CONFIG
+    (run_dir / name).write_text(yaml.safe_dump(dict(resolved), sort_keys=False))
+    return first
