@@ -90,6 +90,9 @@ def test_user_errors_end_in_one_line_naming_the_key_or_file(tmp_path, capsys, hf
     not_json = damaged(hf_folder, tmp_path / "notjson", "config.json", b"{vocab_size: 1")
     no_key = {k: v for k, v in hf_config.items() if k != "num_attention_heads"}
     no_key = damaged(hf_folder, tmp_path / "nokey", "config.json", json.dumps(no_key).encode())
+    junk = tmp_path / "junk"  # a run directory whose policy/ is not a parameter checkpoint
+    (junk / "policy").mkdir(parents=True)
+    (junk / "policy" / "_METADATA").write_text("{not orbax")
     cases = [
         (["model=huge"], "model preset 'huge'"),
         (["task.name=chess"], "task.name: unknown task 'chess'"),
@@ -98,6 +101,9 @@ def test_user_errors_end_in_one_line_naming_the_key_or_file(tmp_path, capsys, hf
         ([f"hf_checkpoint={truncated}"], f"{truncated / 'model.safetensors'}: not a readable"),
         ([f"hf_checkpoint={not_json}"], f"{not_json / 'config.json'}: not valid JSON"),
         ([f"hf_checkpoint={no_key}"], f"{no_key / 'config.json'}: missing the key"),
+        ([f"init_checkpoint={tmp_path}"], "init_checkpoint: starts RL from a saved policy"),
+        ([f"init_checkpoint={tmp_path / 'nowhere'}", "warm_start.steps=0"], "init_checkpoint: "),
+        ([f"init_checkpoint={junk}", "warm_start.steps=0"], f"{junk / 'policy'} does not hold"),
     ]
     for overrides, want in cases:
         run_dir = tmp_path / "run"
