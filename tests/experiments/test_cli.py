@@ -43,7 +43,7 @@ def test_every_config_file_resolves():
     from trace_jax.rl.loop import RLConfig
     from trace_jax.rl.tasks_io import TaskIO
 
-    paths = sorted(Path("configs").rglob("*.yaml"))
+    paths = sorted(p for p in Path("configs").rglob("*.yaml") if p.parent.name != "sweeps")
     assert len(paths) >= 3 + 3 * 6
     for path in paths:
         exp, cfg = resolve(str(path), [])
@@ -51,6 +51,22 @@ def test_every_config_file_resolves():
         if isinstance(cfg, RLConfig):  # the task and its knobs exist, sequences fit
             io = TaskIO(cfg.task.name, cfg.task.args)
             assert io.max_len(cfg.max_new_tokens, cfg.max_turns) > cfg.max_new_tokens
+
+
+def test_every_sweep_file_resolves_and_shared_warm_starts_agree():
+    from pathlib import Path
+
+    from experiments.sweep import load_sweep, resolved
+
+    warm_starts: dict[Path, dict] = {}
+    sweeps = sorted(Path("configs/sweeps").glob("*.yaml"))
+    assert sweeps
+    for path in sweeps:
+        sweep = load_sweep(str(path))  # every cell's config resolves
+        assert sweep.cells
+        # sweeps naming one warm start folder must agree on it, or the second would be refused
+        ws = warm_starts.setdefault(sweep.warm_start_dir, resolved(sweep.warm_start))
+        assert ws == resolved(sweep.warm_start), path
 
 
 @pytest.mark.slow

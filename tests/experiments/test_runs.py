@@ -14,39 +14,6 @@ import yaml
 from experiments.__main__ import main, resolve
 from trace_jax.rl import loop, runlog
 
-# The shapes of tests/rl/test_loop.py's small() config: its compiled programs are reused.
-SMALL = {
-    "experiment": "fp4_trace",
-    "model": "tiny",
-    "model_overrides": {"num_layers": 1, "dtype": "bfloat16"},
-    "steps": 2,
-    "prompts_per_step": 2,
-    "group_size": 2,
-    "max_new_tokens": 6,
-    "warm_start": {"steps": 1, "batch": 4},
-    "eval_every": 2,
-    "eval_problems": 4,
-    "checkpoint_every": 1,
-    "guidance_host_bytes": 0,
-    "staleness": 1,
-    "diagnostic": True,
-    "plot": False,
-    "tensorboard": False,
-}
-
-
-def small_yaml(tmp_path: Path, **changes) -> str:
-    path = tmp_path / "small.yaml"
-    path.write_text(yaml.safe_dump({**SMALL, **changes}))
-    return str(path)
-
-
-def one_line(err: str) -> str:
-    """The single line a user error prints (asserts it is one line without a traceback)."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
 
 def test_task_name_override_drops_the_files_task_args():
     config = "configs/reasoning/fp4_trace.yaml"  # task: reasoning with num_operands, max_value
@@ -82,8 +49,10 @@ def damaged(src: Path, dst: Path, name: str, data: bytes) -> Path:
     return dst
 
 
-def test_user_errors_end_in_one_line_naming_the_key_or_file(tmp_path, capsys, hf_folder):
-    config = small_yaml(tmp_path)
+def test_user_errors_end_in_one_line_naming_the_key_or_file(
+    tmp_path, capsys, hf_folder, small_yaml, one_line
+):
+    config = small_yaml()
     weights = (hf_folder / "model.safetensors").read_bytes()
     hf_config = json.loads((hf_folder / "config.json").read_text())
     truncated = damaged(hf_folder, tmp_path / "trunc", "model.safetensors", weights[:1000])
@@ -117,8 +86,10 @@ class Stop(Exception):
 
 
 @pytest.mark.slow
-def test_ctrl_c_resume_with_other_settings_and_the_summary(tmp_path, capsys, monkeypatch):
-    config, run_dir = small_yaml(tmp_path), tmp_path / "run"
+def test_ctrl_c_resume_with_other_settings_and_the_summary(
+    tmp_path, capsys, monkeypatch, small_yaml, one_line
+):
+    config, run_dir = small_yaml(), tmp_path / "run"
     args = ["run", config, "--run-dir", str(run_dir)]
 
     # Ctrl-C inside the second RL step (step 2), after the checkpoint of step 1.
@@ -233,6 +204,7 @@ def test_summarize_is_a_hand_computation():
                 "rollout/decode_s": 10.0 if i == 0 else 1.0 + i,  # the first step compiles
                 "rollout/tokens_per_s": 100.0 * (i + 1),
                 "step_s": 2.0,
+                "mismatch/code_one_step/all": float("nan") if i % 2 else 0.9 + 0.01 * i,
                 **({"eval/reward_start": 0.25} if i == 0 else {}),
                 **({"eval/reward": 0.5 + 0.1 * i} if i % 5 == 4 else {}),
             }
@@ -249,13 +221,17 @@ def test_summarize_is_a_hand_computation():
         np.mean([100.0 * i for i in range(2, 11)])
     )
     assert "time/rollout/tokens_per_s" not in s
+    # a share of mismatches skips the steps without any (NaN); a NaN mismatch is kept
+    assert s["mismatch/code_one_step/all/last_fifth"] == pytest.approx(0.98)
+    diverged = runlog.summarize([{"step": 0, "reward": 0.0, "mismatch/logp_abs": float("nan")}])
+    assert np.isnan(diverged["mismatch/logp_abs/last_fifth"])
     table = runlog.format_summary(s)
     assert "eval reward (greedy, train split), end of RL" in table
     assert "train reward (sampled), last 2 of 10 RL steps" in table
 
 
 @pytest.mark.slow
-def test_ptq_eval_evaluates_bf16_and_ptq_on_the_same_split(tmp_path, monkeypatch):
+def test_ptq_eval_evaluates_bf16_and_ptq_on_the_same_split(tmp_path, monkeypatch, small_yaml):
     from experiments.pipelines import rl
     from trace_jax.rl.tasks_io import TaskIO
 
@@ -277,7 +253,7 @@ def test_ptq_eval_evaluates_bf16_and_ptq_on_the_same_split(tmp_path, monkeypatch
     monkeypatch.setattr(loop.RLRun, "run", no_rl)
     monkeypatch.setattr(TaskIO, "problem", problem)
     _, cfg = resolve(
-        small_yaml(tmp_path, experiment="ptq_eval"),
+        small_yaml(experiment="ptq_eval"),
         ["eval_split=train", "ptq_scale_rules=[max6]", "staleness=0", "diagnostic=false"],
     )
     results = rl.ptq_eval(cfg, tmp_path / "run")

@@ -142,6 +142,18 @@ def plot_curves(
 # ----------------------------------------------------------------------------- run summary
 
 
+LAST_FIFTH = (
+    "mismatch/logp_abs",
+    "mismatch/kl_k3",
+    "mismatch/guided_code_agreement",
+    "mismatch/code_one_step/all",
+)
+
+
+# Shares of the code mismatches of a step: undefined (NaN) at a step without mismatches.
+SHARES_OF_MISMATCHES = ("mismatch/code_one_step/", "mismatch/code_far/")
+
+
 def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") -> dict[str, Any]:
     """The numbers a run ends with, from its ``metrics.jsonl`` records (one function, used by the
     run's final table, ``compare`` and the sweep report).
@@ -153,7 +165,10 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
       eval/reward_start, eval/reward_end: greedy reward on ``eval_split`` before the first RL
         update and at the last evaluation.
       reward/first_fifth, reward/last_fifth: mean train reward (sampled rollouts).
-      mismatch/logp_abs/last_fifth, mismatch/kl_k3/last_fifth: means over the last fifth.
+      <key>/last_fifth for the ``LAST_FIFTH`` keys (``mismatch/logp_abs``, ``mismatch/kl_k3``,
+        the code agreement at guided sites and the one-code-step share of code mismatches):
+        means over the steps of the last fifth that logged the key (for a share of mismatches,
+        that had a mismatch).
       time/<key>: for every logged ``<key>`` ending in ``_s`` (seconds of a phase), its mean over
         the RL steps after the first (which compiles); ``rate/<key>`` likewise for ``_per_s``.
     """
@@ -164,6 +179,8 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
 
     def mean(key, recs):
         values = [float(r[key]) for r in recs if key in r]
+        if key.startswith(SHARES_OF_MISMATCHES):  # NaN: no mismatch to share out that step
+            values = [v for v in values if not math.isnan(v)]
         return sum(values) / len(values) if values else None
 
     start = next((r["eval/reward_start"] for r in records if "eval/reward_start" in r), None)
@@ -173,8 +190,7 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
         "eval/reward_end": end[-1] if end else None,
         "reward/first_fifth": mean("reward", rl[:k]),
         "reward/last_fifth": mean("reward", rl[-k:]),
-        "mismatch/logp_abs/last_fifth": mean("mismatch/logp_abs", rl[-k:]),
-        "mismatch/kl_k3/last_fifth": mean("mismatch/kl_k3", rl[-k:]),
+        **{f"{key}/last_fifth": mean(key, rl[-k:]) for key in LAST_FIFTH},
     }
     timed = rl[1:] if n > 1 else rl
     for key in sorted({key for r in rl for key in r if key.endswith("_s")}):
@@ -189,11 +205,11 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float]]:
     split, n, k = (summary.get(key) for key in ("eval_split", "rl_steps", "fifth"))
     labels = {
         "eval/reward_start": f"eval reward (greedy, {split} split), start of RL",
-        "eval/reward_end": f"eval reward (greedy, {split} split), end of RL",
+        "eval/reward_end": f"eval reward (greedy, {split} split), "
+        + ("end of RL" if n else "after the warm start"),
         "reward/first_fifth": f"train reward (sampled), first {k} of {n} RL steps",
         "reward/last_fifth": f"train reward (sampled), last {k} of {n} RL steps",
-        "mismatch/logp_abs/last_fifth": f"mismatch/logp_abs, mean of the last {k} RL steps",
-        "mismatch/kl_k3/last_fifth": f"mismatch/kl_k3, mean of the last {k} RL steps",
+        **{f"{key}/last_fifth": f"{key}, mean of the last {k} RL steps" for key in LAST_FIFTH},
     }
     rows = [(key, label, summary[key]) for key, label in labels.items() if key in summary]
     for key in sorted(summary):

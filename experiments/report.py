@@ -1,0 +1,473 @@
+"""Tables and figures over several runs: ``compare`` (any run directories) and ``report`` (a
+sweep directory: modes x seeds).
+
+Runs that differ only by ``seed`` are aggregated as mean ± sample standard deviation over the n
+seeds; every number comes from a run's ``metrics.jsonl`` through ``runlog.summarize``, the one
+place a run's numbers are computed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from trace_jax.config import ConfigError, flatten
+from trace_jax.rl import runlog
+
+
+def mean_spread(values: Sequence[float | None]) -> tuple[float, float, int]:
+    """(mean, sample standard deviation, n) of the values that are not None; the deviation of
+    one value is 0, and of none NaN."""
+    v = np.asarray([x for x in values if x is not None], float)
+    if v.size == 0:
+        return math.nan, math.nan, 0
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0, int(v.size)
+
+
+def fmt_spread(values: Sequence[float | None]) -> str:
+    m, sd, n = mean_spread(values)
+    return _cell({"mean": m, "sd": sd, "n": n})
+
+
+def load_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
+    """(settings of its newest steps, metrics records, summary) of a run directory."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl")
+    cfg = runlog.current_config(run_dir) or {}
+    records = runlog.read_metrics(metrics)
+    return cfg, records, runlog.summarize(records, cfg.get("eval_split", "eval"))
+
+
+# ----------------------------------------------------------------------------- compare
+
+COMPARE_COLUMNS = (
+    ("eval/reward_start", "eval start"),
+    ("eval/reward_end", "eval end"),
+    ("reward/last_fifth", "train last 5th"),
+    ("mismatch/logp_abs/last_fifth", "logp_abs"),
+    ("mismatch/kl_k3/last_fifth", "kl_k3"),
+)
+COMPARE_KEYS = (
+    "reward",
+    "eval/reward",
+    "mismatch/logp_abs",
+    "mismatch/kl_k3",
+    "train/entropy",
+    "response_length",
+)
+
+
+def seed_groups(configs: Mapping[str, dict]) -> list[tuple[str, list[str]]]:
+    """Runs whose settings differ only by ``seed``, grouped: ``[(label, [run ...])]`` in order of
+    first appearance; a label names the experiment and the keys that set groups apart."""
+    flat = {
+        run: {k: v for k, v in flatten(cfg).items() if k != "seed"} for run, cfg in configs.items()
+    }
+    groups: dict[str, list[str]] = {}
+    for run, f in flat.items():
+        groups.setdefault(json.dumps(f, sort_keys=True, default=str), []).append(run)
+    keys = sorted({k for f in flat.values() for k in f} - {"experiment"})
+    firsts = [flat[runs[0]] for runs in groups.values()]
+    varying = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in firsts}) > 1]
+    out = []
+    for runs in groups.values():
+        f = flat[runs[0]]
+        label = " ".join([str(f.get("experiment", "?")), *(f"{k}={f.get(k)}" for k in varying)])
+        out.append((label, runs))
+    return out
+
+
+def compare(run_dirs: Sequence[str], out: str | None = None) -> int:
+    """Curves of several runs (one line per run directory) and a table of their summaries, runs
+    that differ only by seed aggregated as mean ± sd over n seeds."""
+    runs = {}
+    for d in run_dirs:
+        if d in runs:
+            raise ConfigError(f"compare: {d} is given twice")
+        runs[d] = load_run(Path(d))
+    path = Path(out) if out else Path(run_dirs[0]) / "compare.png"
+    runlog.plot_curves(
+        {d: recs for d, (_, recs, _) in runs.items()}, COMPARE_KEYS, path, title="runs compared"
+    )
+    splits = sorted({s.get("eval_split", "eval") for _, _, s in runs.values()})
+    held_out = "the held-out split" if splits == ["eval"] else f"the {'/'.join(splits)} split"
+    print(f"eval = greedy reward on {held_out}, before RL (start) and at the last evaluation")
+    print("train = reward of the sampled rollouts, mean of the last fifth of the RL steps")
+    print("logp_abs, kl_k3 = trainer-vs-rollout mismatch, mean of the last fifth")
+    groups = seed_groups({d: cfg for d, (cfg, _, _) in runs.items()})
+    width = max(len(label) for label, _ in groups)
+    head = " ".join(f"{name:>20s}" for _, name in COMPARE_COLUMNS)
+    print(f"\n{'run (mean ± sd over n seeds)':{width}s} {'n':>2s} {head}")
+    for label, members in groups:
+        cells = [
+            f"{fmt_spread([runs[d][2].get(key) for d in members]):>20s}"
+            for key, _ in COMPARE_COLUMNS
+        ]
+        print(f"{label:{width}s} {len(members):2d} {' '.join(cells)}")
+        for d in members:
+            print(f"  {d}  (seed {runs[d][0].get('seed', '?')})")
+    print(f"plot: {path}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- sweep report
+
+TABLE_COLUMNS = (
+    ("eval/reward_start", "eval reward, start"),
+    ("eval/reward_end", "eval reward, end"),
+    ("reward/first_fifth", "train reward, first 5th"),
+    ("reward/last_fifth", "train reward, last 5th"),
+    ("mismatch/logp_abs/last_fifth", "logp_abs"),
+    ("mismatch/kl_k3/last_fifth", "kl_k3"),
+    ("mismatch/guided_code_agreement/last_fifth", "guided code agreement"),
+    ("mismatch/code_one_step/all/last_fifth", "one-code-step share"),
+    ("rate/rollout/tokens_per_s", "decode tokens/s"),
+    ("time/step_s", "s per RL step"),
+)
+SITE_LAYER = re.compile(r"^mismatch/code_rate/(.+)/(\d+)$")
+TOTALS = ("step_s", "train/step_s")  # sums of other phases: drawn after them, marked
+
+
+def _rl_curve(records: Sequence[dict], key: str) -> dict[int, float]:
+    """``{RL steps done: value}`` of ``key`` (RL step i's record counts as i + 1 steps done);
+    for ``eval/reward``, the evaluation before RL is at 0; a share of mismatches only where it
+    is defined."""
+    rl = [r for r in records if "reward" in r]
+    out = {i + 1: float(r[key]) for i, r in enumerate(rl) if key in r}
+    if key.startswith(runlog.SHARES_OF_MISMATCHES):  # undefined at a step without mismatches
+        out = {i: v for i, v in out.items() if not math.isnan(v)}
+    if key == "eval/reward" and rl and "eval/reward_start" in rl[0]:
+        out[0] = float(rl[0]["eval/reward_start"])
+    return dict(sorted(out.items()))
+
+
+def sweep_data(sweep_dir: Path) -> dict[str, Any]:
+    """The cells of a sweep directory by mode: ``{"modes": {mode: [cell, ...]}, "cells":
+    {cell: {"state", "mode", "seed", "records", "summary"}}, "sweep": sweep.yaml}``. A mode is
+    a cell's grid values other than ``seed``; only finished cells carry records."""
+    from experiments.sweep import SWEEP_FILE, cell_state
+
+    file = sweep_dir / SWEEP_FILE
+    if not file.is_file():
+        raise ConfigError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})")
+    sweep = yaml.safe_load(file.read_text())
+    modes: dict[str, list[str]] = {}
+    cells: dict[str, dict] = {}
+    for name, values in sweep["cells"].items():
+        mode = " ".join(
+            str(v) if k == "experiment" else f"{k}={v}" for k, v in values.items() if k != "seed"
+        )
+        cell = {
+            "state": cell_state(sweep_dir / name),
+            "mode": mode or "all",
+            "seed": values.get("seed"),
+        }
+        if cell["state"] == "done":
+            _, records, summary = load_run(sweep_dir / name)
+            results = json.loads((sweep_dir / name / "results.json").read_text())
+            # post-hoc quantization (ptq_eval): greedy eval reward per policy
+            for policy, reward in (results.get("ptq_eval_reward") or {}).items():
+                summary[f"ptq/{policy}"] = float(reward)
+            cell.update(records=records, summary=summary)
+            modes.setdefault(cell["mode"], []).append(name)
+        cells[name] = cell
+    return {"sweep": sweep, "modes": modes, "cells": cells}
+
+
+def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per mode: ``{key: {"mean", "sd", "n"}}`` over its finished seeds for every summary key."""
+    out = {}
+    for mode, names in data["modes"].items():
+        summaries = [data["cells"][n]["summary"] for n in names]
+        keys = sorted({k for s in summaries for k in s if isinstance(s[k], float)})
+        stats = {}
+        for key in keys:
+            m, sd, n = mean_spread([s.get(key) for s in summaries])
+            stats[key] = {"mean": m, "sd": sd, "n": n}
+        out[mode] = {"seeds": [data["cells"][n]["seed"] for n in names], "cells": names, **stats}
+    return out
+
+
+def report(sweep_dir: str | Path, out: str | Path | None = None) -> int:
+    """Write ``report.md``, ``report.json`` and PNG figures for a sweep directory (default into
+    ``<sweep_dir>/report``)."""
+    sweep_dir = Path(sweep_dir)
+    data = sweep_data(sweep_dir)
+    if not data["modes"]:
+        raise ConfigError(f"{sweep_dir}: no cell has finished (results.json) yet")
+    out = Path(out) if out else sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(data)
+    figures = plot_sweep(data, out)
+    (out / "report.json").write_text(json.dumps(agg, indent=2))
+    (out / "report.md").write_text(markdown(sweep_dir, data, agg, figures))
+    print((out / "report.md").read_text())
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Path]) -> str:
+    sweep = data["sweep"]
+    splits = sorted(
+        {c["summary"].get("eval_split", "eval") for c in data["cells"].values() if "summary" in c}
+    )
+    lines = [
+        f"# Sweep `{sweep_dir}`",
+        "",
+        f"Base `{sweep.get('base')}` with overrides `{' '.join(sweep.get('overrides') or [])}`; "
+        f"grid `{json.dumps(sweep.get('grid'))}`; every cell starts RL from `warm_start/`.",
+        "",
+        "Mean ± sample sd over the n finished seeds. Eval reward: greedy, on the "
+        f"{'/'.join(splits)} split, before RL (start) and at the last evaluation (end). Train "
+        "reward: the sampled rollouts, over the first and last fifth of the RL steps. Mismatch "
+        "and code columns: mean of the last fifth. Throughput and step time: mean over the RL "
+        "steps after the first (which compiles).",
+        "",
+    ]
+    cols = [(k, label) for k, label in TABLE_COLUMNS if any(k in a for a in agg.values())]
+    ptq = sorted({k for a in agg.values() for k in a if k.startswith("ptq/")})
+    cols += [(k, f"eval reward, {k[4:]} (post hoc)") for k in ptq]
+    lines.append("| mode | n | " + " | ".join(label for _, label in cols) + " |")
+    lines.append("| --- | --- | " + " | ".join("---" for _ in cols) + " |")
+    for mode, a in agg.items():
+        n = len(a["cells"])
+        cells = [_cell(a.get(k)) for k, _ in cols]
+        lines.append(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+    phases = sorted({k for a in agg.values() for k in a if k.startswith("time/")})
+    if phases:
+        lines += ["", "Seconds per RL step by phase (mean ± sd over seeds):", ""]
+        lines.append("| mode | " + " | ".join(f"`{p[5:]}`" for p in phases) + " |")
+        lines.append("| --- | " + " | ".join("---" for _ in phases) + " |")
+        for mode, a in agg.items():
+            lines.append(f"| {mode} | " + " | ".join(_cell(a.get(p)) for p in phases) + " |")
+    unfinished = [f"`{n}` ({c['state']})" for n, c in data["cells"].items() if c["state"] != "done"]
+    lines += ["", "Cells not finished (left out above): " + (", ".join(unfinished) or "none") + "."]
+    lines += ["", *(f"![{p.stem}]({p.name})" for p in figures), ""]
+    return "\n".join(lines)
+
+
+def _cell(stat: Mapping[str, float] | None) -> str:
+    """``mean ± sd`` (``mean`` alone for one seed, ``-`` for none)."""
+    if not stat or stat["n"] == 0:
+        return "-"
+    m, sd = stat["mean"], stat["sd"]
+    if stat["n"] == 1:
+        return f"{m:.4g}"
+    sd = 0.0 if sd <= 1e-12 * abs(m) else sd  # equal values: rounding, not spread
+    return f"{m:.4g} ± {sd:.2g}"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """Per mode: (steps, mean, sd, n seeds) of ``key`` at the RL steps every seed logged."""
+    out = {}
+    for mode, names in data["modes"].items():
+        curves = [_rl_curve(data["cells"][n]["records"], key) for n in names]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        if not steps:
+            continue
+        values = np.array([[c[s] for s in steps] for c in curves])
+        sd = values.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(len(steps))
+        out[mode] = (np.array(steps), values.mean(axis=0), sd, len(curves))
+    return out
+
+
+def _panel(ax, curves, title: str, ylabel: str, log: bool = False) -> None:
+    for mode, (steps, mean, sd, n) in curves.items():
+        (line,) = ax.plot(
+            steps, mean, marker="." if len(steps) < 30 else None, label=f"{mode} (n={n})"
+        )
+        if n > 1:
+            ax.fill_between(steps, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("RL steps done")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel(ylabel)
+    if log and all((c[1] > 0).all() for c in curves.values()):
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_sweep(data: Mapping, out: Path) -> list[Path]:
+    """The sweep's PNG figures in ``out``; a figure whose metrics were not logged is skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+
+    band = "line: mean over seeds, band: ± 1 sd"
+    figures = [
+        ("eval_reward.png", [("eval/reward", "greedy eval reward", "mean reward", False)]),
+        (
+            "mismatch.png",
+            [
+                ("mismatch/logp_abs", "trainer-vs-rollout |Δ log p| per token", "nats", True),
+                ("mismatch/kl_k3", "trainer-vs-rollout KL (k3) per token", "nats", True),
+            ],
+        ),
+        (
+            "codes.png",
+            [
+                (
+                    "mismatch/guided_code_agreement",
+                    "code agreement at guided sites",
+                    "share of codes",
+                    False,
+                ),
+                (
+                    "mismatch/code_one_step/all",
+                    "mismatches exactly one code step apart",
+                    "share of mismatches",
+                    False,
+                ),
+            ],
+        ),
+    ]
+    for name, panels in figures:
+        panels = [(p, _curves(data, p[0])) for p in panels]
+        panels = [(p, c) for p, c in panels if c]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+        for ax, ((key, title, ylabel, log), curves) in zip(axes.flat, panels, strict=True):
+            _panel(ax, curves, f"{title}\n({key}; {band})", ylabel, log)
+        save(fig, name)
+
+    heat = _layer_heat(data)
+    if heat:
+        cols = min(2, len(heat))
+        rows = math.ceil(len(heat) / cols)
+        fig, axes = plt.subplots(
+            rows,
+            cols,
+            figsize=(
+                cols * (3.5 + 0.4 * _max_layers(heat)),
+                0.8 + rows * (1.2 + 0.35 * _max_sites(heat)),
+            ),
+            squeeze=False,
+        )
+        for ax in list(axes.flat)[len(heat) :]:
+            ax.axis("off")
+        # one colour scale for every mode, so that panels compare at a glance
+        top = max(float(np.nanmax(g)) if np.isfinite(g).any() else 0.0 for _, _, g in heat.values())
+        for ax, (mode, (sites, layers, grid)) in zip(axes.flat, heat.items(), strict=False):
+            im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=max(top, 1e-6))
+            ax.set_xticks(range(len(layers)), [str(x) for x in layers])
+            ax.set_yticks(range(len(sites)), sites, fontsize=8)
+            ax.set_xlabel("layer")
+            ax.set_title(mode, fontsize=10)
+            if grid.size <= 96:  # small enough to print each rate
+                for (i, j), v in np.ndenumerate(grid):
+                    color = "white" if v < 0.6 * max(top, 1e-6) else "black"
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color=color)
+            fig.colorbar(im, ax=ax, label="code mismatch rate (share of codes)")
+        fig.suptitle(
+            "train-vs-rollout code mismatch by layer\n"
+            "(mismatch/code_rate/<site>/<layer>, mean over the RL steps and seeds)",
+            fontsize=10,
+        )
+        save(fig, "mismatch_by_layer.png")
+
+    timing = _timing(data)
+    if timing:
+        rates, phases = timing
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 2.5]})
+        modes = list(data["modes"])
+        if rates:
+            m = [rates.get(mode, (math.nan, 0))[0] for mode in modes]
+            sd = [rates.get(mode, (math.nan, 0))[1] for mode in modes]
+            axes[0].bar(
+                range(len(modes)), m, yerr=sd, capsize=3, color=[f"C{i}" for i in range(len(modes))]
+            )
+            axes[0].set_xticks(range(len(modes)), modes, rotation=30, ha="right", fontsize=8)
+            axes[0].set_ylabel("tokens / s")
+            axes[0].set_title("decode throughput (rollout/tokens_per_s)", fontsize=10)
+        else:
+            axes[0].axis("off")
+        names = sorted({p for per in phases.values() for p in per}, key=lambda p: (p in TOTALS, p))
+        width = 0.8 / max(len(modes), 1)
+        for i, mode in enumerate(modes):
+            per = phases.get(mode, {})
+            xs = np.arange(len(names)) + (i - (len(modes) - 1) / 2) * width
+            axes[1].bar(
+                xs,
+                [per.get(p, (math.nan, 0))[0] for p in names],
+                width,
+                yerr=[per.get(p, (math.nan, 0))[1] for p in names],
+                capsize=2,
+                label=mode,
+            )
+        labels = [f"{p} (total)" if p in TOTALS else p for p in names]
+        axes[1].set_xticks(range(len(names)), labels, rotation=30, ha="right", fontsize=8)
+        axes[1].set_ylabel("seconds per RL step")
+        axes[1].set_title(
+            "time per phase (mean over the RL steps after the first; error bar: ± 1 sd over seeds)",
+            fontsize=10,
+        )
+        axes[1].legend(fontsize=8)
+        save(fig, "timing.png")
+    return written
+
+
+def _layer_heat(data: Mapping) -> dict[str, tuple[list[str], list[int], np.ndarray]]:
+    out = {}
+    for mode, names in data["modes"].items():
+        sums: dict[tuple[str, int], list[float]] = {}
+        for n in names:
+            for r in data["cells"][n]["records"]:
+                for k, v in r.items():
+                    if (match := SITE_LAYER.match(k)) and "reward" in r:
+                        sums.setdefault((match[1], int(match[2])), []).append(float(v))
+        if not sums:
+            continue
+        sites = sorted({s for s, _ in sums})
+        layers = sorted({layer for _, layer in sums})
+        grid = np.full((len(sites), len(layers)), np.nan)
+        for (s, layer), vals in sums.items():
+            grid[sites.index(s), layers.index(layer)] = np.mean(vals)
+        out[mode] = (sites, layers, grid)
+    return out
+
+
+def _max_layers(heat) -> int:
+    return max(len(layers) for _, layers, _ in heat.values())
+
+
+def _max_sites(heat) -> int:
+    return max(len(sites) for sites, _, _ in heat.values())
+
+
+def _timing(data: Mapping):
+    rates, phases = {}, {}
+    for mode, names in data["modes"].items():
+        summaries = [data["cells"][n]["summary"] for n in names]
+        m, sd, n = mean_spread([s.get("rate/rollout/tokens_per_s") for s in summaries])
+        if n:
+            rates[mode] = (m, sd)
+        keys = sorted({k for s in summaries for k in s if k.startswith("time/")})
+        phases[mode] = {k[5:]: mean_spread([s.get(k) for s in summaries])[:2] for k in keys}
+    if not rates and not any(phases.values()):
+        return None
+    return rates, phases

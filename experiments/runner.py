@@ -1,0 +1,176 @@
+"""The run path every command shares: resolve a config file with overrides, check the run
+directory against the settings that produced its steps, run, and write ``results.json`` with the
+run's summary. Errors a user can cause are ``ConfigError``/``CheckpointError`` with a one-line
+message; Ctrl-C is ``Interrupted``, naming the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.registry import Experiment, get_experiment
+from trace_jax.config import (
+    ConfigError,
+    apply_overrides,
+    config_diff,
+    format_diff,
+    from_dict,
+    load_yaml,
+    to_dict,
+)
+from trace_jax.model.hf import CheckpointError
+from trace_jax.rl import checkpoint as run_checkpoint
+from trace_jax.rl import runlog
+
+ALLOW_CHANGE = "--allow-config-change"
+# Errors whose message names what the user should fix: printed as one line, exit code 2.
+USER_ERRORS = (ConfigError, CheckpointError)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says where its last checkpoint is."""
+
+
+def resolve(config_path: str, overrides: Sequence[str]) -> tuple[Experiment, Any]:
+    """Load a config file (``experiment: <name>`` plus that experiment's fields) with overrides.
+
+    ``task.name=X`` naming another task than the file's drops the file's ``task.args`` (they are
+    that task's knobs); ``task.args.*`` overrides given with it apply.
+
+    Returns:
+      (experiment, config dataclass). Raises ``ConfigError`` naming the bad key.
+    """
+    data = load_yaml(config_path)
+    return resolve_data(data, overrides, config_path)
+
+
+def resolve_data(data: dict, overrides: Sequence[str], source: str) -> tuple[Experiment, Any]:
+    """``resolve`` of an already loaded mapping (``source`` names it in errors)."""
+    data = apply_overrides(_drop_other_task_args(data, overrides), overrides)
+    name = data.pop("experiment", None)
+    if name is None:
+        raise ConfigError(f"{source}: missing the key 'experiment' (the registered name)")
+    try:
+        exp = get_experiment(name)
+    except KeyError as e:
+        raise ConfigError(f"experiment: {e.args[0]}") from None
+    return exp, from_dict(exp.config_cls, data)
+
+
+def _drop_other_task_args(data: dict, overrides: Sequence[str]) -> dict:
+    task = data.get("task")
+    if not isinstance(task, dict) or "args" not in task:
+        return data
+    names = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0] == "task.name"]
+    if not names or names[-1] == task.get("name"):
+        return data
+    return {**data, "task": {k: v for k, v in task.items() if k != "args"}}
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def check_run_dir(run_dir: Path, resolved: dict, allow_change: bool) -> list:
+    """Refuse (``ConfigError``, one line) a run directory whose steps were made with other
+    settings, unless ``allow_change``. Returns the differences ``[(key, old, new)]``."""
+    old = runlog.current_config(run_dir)
+    diff = config_diff(old, resolved) if old is not None else []
+    if diff and not allow_change:
+        raise ConfigError(
+            f"{run_dir} was run with other settings ({format_diff(diff)}); use a new --run-dir, "
+            f"or pass {ALLOW_CHANGE} to continue it with the new settings"
+        )
+    return diff
+
+
+def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False) -> dict:
+    """Run ``exp`` in ``run_dir`` (resuming its checkpoints): check and record the settings, run,
+    and write ``results.json`` with the run's ``summary`` (RL runs). Nothing is written when the
+    settings are refused.
+
+    Raises ``ConfigError``/``CheckpointError`` with a one-line message naming the key or file, and
+    ``Interrupted`` on Ctrl-C.
+    """
+    resolved = {"experiment": exp.name, **to_dict(cfg)}
+    existed = run_dir.exists()
+    diff = check_run_dir(run_dir, resolved, allow_change)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if diff or runlog.current_config(run_dir) is None:
+        first = runlog.record_config(run_dir, resolved)
+        if diff:
+            print(f"continuing {run_dir} from step {first} with {format_diff(diff)}")
+    try:
+        with _quiet_orphaned_callbacks():
+            results = exp.run(cfg, run_dir)
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted(run_dir)) from None
+    except USER_ERRORS:
+        if not existed and [p.name for p in run_dir.iterdir()] == [runlog.CONFIG]:
+            (run_dir / runlog.CONFIG).unlink()  # refused before any work: leave nothing behind
+            run_dir.rmdir()
+        raise
+    except Exception as e:
+        if _raised_in(e, run_checkpoint.__file__):
+            raise CheckpointError(_checkpoint_failure(run_dir, e)) from e
+        raise
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        summary = runlog.summarize(runlog.read_metrics(metrics), getattr(cfg, "eval_split", "eval"))
+        print(f"\n{'=' * 30} run summary {'=' * 30}\n{runlog.format_summary(summary)}")
+        results = {**results, "summary": summary}
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def without_closed_loop_reports(hook):
+    """``hook`` (a ``sys.unraisablehook``) minus the reports of "Event loop is closed": after a
+    failed restore, tensorstore still delivers results to the asyncio loop orbax has closed, and
+    each is reported with a traceback that says nothing the one-line error does not."""
+
+    def filtered(report):
+        if not (
+            isinstance(report.exc_value, RuntimeError) and "loop is closed" in str(report.exc_value)
+        ):
+            hook(report)
+
+    return filtered
+
+
+@contextlib.contextmanager
+def _quiet_orphaned_callbacks():
+    original = sys.unraisablehook
+    sys.unraisablehook = without_closed_loop_reports(original)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = original
+
+
+def _interrupted(run_dir: Path) -> str:
+    steps = runlog.checkpoint_steps(run_dir)
+    if not steps:
+        return f"interrupted: {run_dir} has no checkpoint yet (a rerun starts from step 0)"
+    last = run_dir / "checkpoints" / str(steps[-1])
+    return f"interrupted: the last checkpoint is {last} (the same command resumes from it)"
+
+
+def _raised_in(e: BaseException, filename: str) -> bool:
+    target = Path(filename).resolve()
+    return any(Path(f.filename).resolve() == target for f in traceback.extract_tb(e.__traceback__))
+
+
+def _checkpoint_failure(run_dir: Path, e: Exception) -> str:
+    steps = runlog.checkpoint_steps(run_dir)
+    where = run_dir / "checkpoints" / (str(steps[-1]) if steps else "")
+    first = (str(e).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 160 else first[:160] + "..."
+    return (
+        f"{where}: the run checkpoint cannot be used ({type(e).__name__}: {first}); remove it to "
+        f"resume from an earlier one, or use a new --run-dir"
+    )

@@ -1,0 +1,267 @@
+"""Sweeps: a grid of runs over one base config, every run starting RL from one shared warm start.
+
+A sweep file (``configs/sweeps/<name>.yaml``)::
+
+    base: configs/reasoning/fp4_trace.yaml     # a run config (path from the working directory)
+    overrides: [steps=100, eval_every=20]       # for every run, the warm start included
+    grid:                                       # every combination is a cell
+      experiment: [bf16_rollout, fp4_qat, fp4_trace]
+      seed: [0, 1, 2]
+    sweep_dir: runs/sweeps/<name>               # optional (default: runs/sweeps/<file stem>)
+    warm_start_dir: runs/sweeps/x/warm_start    # optional (default: <sweep_dir>/warm_start)
+
+``python -m experiments sweep <file> [key=value ...]`` (the ``key=value`` overrides join the
+file's) first runs the base config's warm start alone (``steps=0``) into ``warm_start_dir``
+(sweeps of one base may share it: a finished one is not run again), then each cell, with
+``warm_start.steps=0 init_checkpoint=<warm_start_dir>``, into ``<sweep_dir>/<cell>``
+(``fp4_trace-seed0``),
+one after another in this process through the same path as ``run`` (config checks, summary,
+``results.json``). A cell is done when its ``results.json`` exists; a sweep started again skips
+done cells and resumes a partial one from its checkpoints. A cell that fails with an error that
+is not the user's (a crash, out of memory) leaves ``error.txt`` with its traceback and the sweep
+goes on; it is tried again on the next start. ``<sweep_dir>/sweep.yaml`` records the resolved
+sweep; a start with another base, overrides or grid is refused, in one line naming the keys,
+unless ``--allow-config-change``. Grid keys must not change the shared warm start (the model,
+the task, ``warm_start.*``, ``init_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import gc
+import itertools
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trace_jax.config import ConfigError, config_diff, format_diff, load_yaml, to_dict
+from trace_jax.rl import runlog
+
+SWEEP_FILE = "sweep.yaml"
+WARM_START = "warm_start"
+ERROR_FILE = "error.txt"
+# Grid keys that would change the warm start every cell shares.
+SHARED = ("model", "model_overrides", "hf_checkpoint", "task", "warm_start", "init_checkpoint")
+CellState = Literal["done", "partial", "failed", "todo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of a sweep: its folder name, grid values and resolved (experiment, config)."""
+
+    name: str
+    values: dict[str, Any]
+    exp: Any
+    cfg: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    file: str
+    sweep_dir: Path
+    warm_start_dir: Path
+    base: str
+    overrides: tuple[str, ...]
+    grid: dict[str, list]
+    base_config: dict[str, Any]
+    warm_start: Cell
+    cells: tuple[Cell, ...]
+
+    def record(self) -> dict[str, Any]:
+        """What ``sweep.yaml`` holds: the base resolved with the overrides (the settings every
+        cell shares but its grid values; the warm start's but ``steps: 0``), the grid, the warm
+        start's folder and every cell's grid values."""
+        return {
+            "base": self.base,
+            "overrides": list(self.overrides),
+            "base_config": self.base_config,
+            "grid": self.grid,
+            "warm_start_dir": str(self.warm_start_dir),
+            "cells": {c.name: c.values for c in self.cells},
+        }
+
+
+def _flow(value: Any) -> str:
+    """A value as a one-line YAML override (``[0, 1]``, ``{a: 1}``, ``0.001``)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def cell_name(values: dict[str, Any]) -> str:
+    """``fp4_trace-staleness3-fmt=mxfp4-seed0``: the experiment, then per other grid key
+    ``<key><number>`` or ``<key>=<value>``."""
+
+    def part(key, value):
+        text = _flow(value)
+        if key == "experiment":
+            return text
+        return f"{key}{text}" if text[:1].isdigit() or text[:1] == "-" else f"{key}={text}"
+
+    name = "-".join(part(k, v) for k, v in values.items())
+    for bad in "/ \\:*?\"'<>|{}[],":
+        name = name.replace(bad, "_")
+    return name
+
+
+def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
+    """Read a sweep file and resolve the warm start and every cell (ConfigError names the key)."""
+    from experiments.runner import resolve_data
+
+    spec = load_yaml(path)
+    known = ("base", "overrides", "grid", "sweep_dir", "warm_start_dir")
+    unknown = sorted(set(spec) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: {', '.join(unknown)}: unknown; known: {', '.join(known)}")
+    base = spec.get("base")
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected the path of a run config")
+    overrides = spec.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"{path}: overrides: expected a list of key=value strings")
+    overrides = (*overrides, *extra_overrides)
+    grid = spec.get("grid") or {}
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError(f"{path}: grid: expected a mapping of key -> list of values")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}: grid.{key}: expected a non-empty list of values")
+        if key.split(".")[0] in SHARED:
+            raise ConfigError(
+                f"{path}: grid.{key}: would change the warm start every cell shares; sweep it "
+                "in separate sweep files"
+            )
+    sweep_dir = Path(spec.get("sweep_dir") or Path("runs/sweeps") / Path(path).stem)
+    data = load_yaml(base)
+    ws_dir = Path(spec.get("warm_start_dir") or sweep_dir / WARM_START)
+    base_config = resolved(Cell("base", {}, *resolve_data(data, overrides, base)))
+    warm_start = Cell(WARM_START, {}, *resolve_data(data, [*overrides, "steps=0"], base))
+    cells = []
+    for combo in itertools.product(*grid.values()):
+        values = dict(zip(grid, combo, strict=True))
+        cell_overrides = [f"{k}={_flow(v)}" for k, v in values.items()]
+        shared = ["warm_start.steps=0", f"init_checkpoint={ws_dir}"]
+        try:
+            exp, cfg = resolve_data(data, [*overrides, *cell_overrides, *shared], base)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: cell {cell_name(values)}: {e}") from None
+        cells.append(Cell(cell_name(values), values, exp, cfg))
+    names = [c.name for c in cells]
+    if len(set(names)) < len(names) or WARM_START in names:
+        raise ConfigError(f"{path}: grid: cells share a folder name ({', '.join(names)})")
+    return Sweep(
+        str(path),
+        sweep_dir,
+        ws_dir,
+        base,
+        tuple(overrides),
+        grid,
+        base_config,
+        warm_start,
+        tuple(cells),
+    )
+
+
+def cell_state(run_dir: Path) -> CellState:
+    """done (``results.json``), failed (``error.txt``), partial (started) or todo."""
+    if (run_dir / "results.json").is_file():
+        return "done"
+    if (run_dir / ERROR_FILE).is_file():
+        return "failed"
+    return "partial" if run_dir.exists() else "todo"
+
+
+def finished(run_dir: Path, cell: Cell) -> bool:
+    """Whether ``run_dir`` holds the finished run of ``cell``'s settings (after an allowed change
+    of the sweep, a finished cell with other settings is continued with the new ones)."""
+    if cell_state(run_dir) != "done":
+        return False
+    return not config_diff(runlog.current_config(run_dir) or {}, resolved(cell))
+
+
+def resolved(cell: Cell) -> dict[str, Any]:
+    return {"experiment": cell.exp.name, **to_dict(cell.cfg)}
+
+
+def check_record(sweep: Sweep, allow_change: bool) -> list:
+    """Refuse (one line) a sweep directory made by another sweep, unless ``allow_change``."""
+    from experiments.runner import ALLOW_CHANGE
+
+    file = sweep.sweep_dir / SWEEP_FILE
+    if not file.is_file():
+        return []
+    old = yaml.safe_load(file.read_text()) or {}
+    new = sweep.record()
+    keys = ("base_config", "grid", "warm_start_dir")
+    diff = config_diff({k: old.get(k) for k in keys}, {k: new[k] for k in keys})
+    if diff and not allow_change:
+        raise ConfigError(
+            f"{sweep.sweep_dir} was swept with other settings ({format_diff(diff)}); use another "
+            f"sweep_dir, or pass {ALLOW_CHANGE} to continue it with the new settings"
+        )
+    return diff
+
+
+def run_sweep(
+    sweep: Sweep, only: str | None = None, dry_run: bool = False, allow_change: bool = False
+) -> int:
+    """Run (or with ``dry_run`` list) the warm start and the cells matching ``only`` (a glob on
+    cell names). Returns 0, or 1 when a cell failed."""
+    from experiments.runner import execute
+
+    cells = [c for c in sweep.cells if only is None or fnmatch.fnmatchcase(c.name, only)]
+    if not cells:
+        raise ConfigError(
+            f"--only {only}: matches none of {', '.join(c.name for c in sweep.cells)}"
+        )
+    diff = check_record(sweep, allow_change)
+    if dry_run:
+        print(listing(sweep, cells))
+        return 0
+    sweep.sweep_dir.mkdir(parents=True, exist_ok=True)
+    if diff or not (sweep.sweep_dir / SWEEP_FILE).is_file():
+        (sweep.sweep_dir / SWEEP_FILE).write_text(yaml.safe_dump(sweep.record(), sort_keys=False))
+    ws = sweep.warm_start
+    if not finished(sweep.warm_start_dir, ws):
+        print(f"\n=== {sweep.warm_start_dir}: the warm start every cell starts from")
+        execute(ws.exp, ws.cfg, sweep.warm_start_dir, allow_change)
+    failed = []
+    for i, cell in enumerate(cells):
+        run_dir = sweep.sweep_dir / cell.name
+        state = cell_state(run_dir)
+        if finished(run_dir, cell):
+            print(f"=== {run_dir}: done, skipped")
+            continue
+        print(f"\n=== {run_dir} ({i + 1}/{len(cells)}, {state})")
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)
+        try:
+            execute(cell.exp, cell.cfg, run_dir, allow_change)
+        except ConfigError as e:  # every cell would fail alike: stop
+            raise ConfigError(f"{cell.name}: {e}") from None
+        except Exception:  # a crash or a damaged checkpoint: recorded, and the sweep goes on
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ERROR_FILE).write_text(traceback.format_exc())
+            print(
+                f"{run_dir}: failed ({sys.exc_info()[1]!r}); see {run_dir / ERROR_FILE}",
+                file=sys.stderr,
+            )
+            failed.append(cell.name)
+        gc.collect()  # the cell's parameters and engines, before the next allocates its own
+    print("\n" + listing(sweep, cells))
+    print(f"report: python -m experiments report {sweep.sweep_dir}")
+    if failed:
+        print(f"failed cells (tried again on the next start): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def listing(sweep: Sweep, cells: Sequence[Cell]) -> str:
+    """One line per run of the sweep: state and folder."""
+    dirs = [sweep.warm_start_dir, *(sweep.sweep_dir / c.name for c in cells)]
+    rows = [(d, cell_state(d)) for d in dirs]
+    counts = {s: sum(1 for _, st in rows if st == s) for s in ("done", "partial", "failed", "todo")}
+    head = f"sweep {sweep.sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    return "\n".join([head, *(f"  {state:8s} {d}" for d, state in rows)])

@@ -1,0 +1,158 @@
+"""Sweeps and their report: a grid of 2 modes x 2 seeds runs from one warm start, a killed sweep
+started again runs only its missing cells (resuming the partial one), a crashed cell is recorded
+and retried, other settings are refused, and the report's numbers are those of the cells'
+metrics files."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from experiments.__main__ import main
+from experiments.sweep import load_sweep
+from trace_jax.rl import loop, runlog
+
+CELLS = ["fp4_trace-seed0", "fp4_trace-seed1", "fp4_trace_all-seed0", "fp4_trace_all-seed1"]
+
+
+def sweep_file(tmp_path: Path, base: str, **extra) -> str:
+    spec = {
+        "base": base,
+        "overrides": ["eval_every=3"],  # an evaluation at the end only
+        "grid": {"experiment": ["fp4_trace", "fp4_trace_all"], "seed": [0, 1]},
+        "sweep_dir": str(tmp_path / "sweep"),
+        **extra,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_sweep_files_resolve_every_cell_and_refuse_bad_grids(
+    tmp_path, capsys, small_yaml, one_line
+):
+    base = small_yaml()
+    sweep = load_sweep(sweep_file(tmp_path, base))
+    assert [c.name for c in sweep.cells] == CELLS
+    ws = str(tmp_path / "sweep" / "warm_start")
+    for cell in sweep.cells:
+        assert cell.exp.name == cell.values["experiment"] and cell.cfg.seed == cell.values["seed"]
+        assert cell.cfg.init_checkpoint == ws and cell.cfg.warm_start.steps == 0
+        assert cell.cfg.eval_every == 3 and cell.cfg.steps == 2
+    assert sweep.warm_start.cfg.steps == 0 and sweep.warm_start.cfg.warm_start.steps == 1
+    assert main(["sweep", sweep_file(tmp_path, base), "--dry-run", "--only", "*_all-*"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].endswith("3 todo") and [line.split()[0] for line in listed[1:]] == ["todo"] * 3
+    assert listed[2].endswith("fp4_trace_all-seed0")
+
+    for extra, want in [
+        ({"grid": {"model": ["tiny", "small"]}}, "grid.model: would change the warm start"),
+        ({"grid": {"seed": []}}, "grid.seed: expected a non-empty list"),
+        ({"grid": {"lrr": [1]}}, "cell lrr1: lrr: unknown config key"),
+        ({"gird": {}}, "gird: unknown"),
+    ]:
+        assert main(["sweep", sweep_file(tmp_path, base, **extra)]) == 2
+        assert want in one_line(capsys.readouterr().err)
+    assert main(["sweep", sweep_file(tmp_path, base), "--only", "bf16*"]) == 2
+    assert "--only bf16*: matches none" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "sweep").exists()
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
+    tmp_path, capsys, monkeypatch, small_yaml, one_line
+):
+    path, sweep_dir = sweep_file(tmp_path, small_yaml()), tmp_path / "sweep"
+    real_step, real_init = loop.RLRun.rl_step, loop.RLRun.__init__
+
+    # Killed inside the second RL step of the third cell (after the checkpoint of step 0).
+    def killed(self, state, rollout_params, step, *a):
+        if self.run_dir.name == CELLS[2] and step == 1:
+            raise KeyboardInterrupt
+        return real_step(self, state, rollout_params, step, *a)
+
+    monkeypatch.setattr(loop.RLRun, "rl_step", killed)
+    assert main(["sweep", path]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(sweep_dir / CELLS[2] / "checkpoints" / "0") in err
+    monkeypatch.setattr(loop.RLRun, "rl_step", real_step)
+
+    assert main(["sweep", path, "--dry-run"]) == 0
+    listed = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    states = ["done", "done", "done", "partial", "todo"]
+    assert listed == [
+        [s, str(sweep_dir / d)] for s, d in zip(states, ["warm_start", *CELLS], strict=True)
+    ]
+
+    # Started again: only the missing cells are built; the partial one resumes from its
+    # checkpoint; a crash in the last is recorded and the sweep ends with exit code 1.
+    started = []
+
+    def init(self, cfg, run_dir, **kw):
+        started.append(Path(run_dir).name)
+        if Path(run_dir).name == CELLS[3]:
+            raise Crash("out of memory")
+        real_init(self, cfg, run_dir, **kw)
+
+    monkeypatch.setattr(loop.RLRun, "__init__", init)
+    assert main(["sweep", path]) == 1
+    out = capsys.readouterr().out
+    assert started == CELLS[2:] and "resuming from the checkpoint of step 0" in out
+    assert "out of memory" in (sweep_dir / CELLS[3] / "error.txt").read_text()
+    monkeypatch.setattr(loop.RLRun, "__init__", real_init)
+    assert main(["sweep", path, "--only", "*seed1"]) == 0  # retried; the rest is done
+    capsys.readouterr()
+    for cell in CELLS:
+        assert (sweep_dir / cell / "results.json").is_file()
+        cfg = yaml.safe_load((sweep_dir / cell / "config.yaml").read_text())
+        assert cfg["init_checkpoint"] == str(sweep_dir / "warm_start")
+        steps = [r["step"] for r in runlog.read_metrics(sweep_dir / cell / "metrics.jsonl")]
+        assert steps == [0, 1]
+    assert not (sweep_dir / CELLS[3] / "error.txt").exists()
+
+    # Other settings for the same folder: refused in one line, before anything runs.
+    assert main(["sweep", path, "steps=3"]) == 2
+    assert "base_config.steps 2 -> 3" in one_line(capsys.readouterr().err)
+
+    # The report: mean ± sd over the two seeds of each mode, from the metrics files.
+    assert main(["report", str(sweep_dir)]) == 0
+    out_dir = sweep_dir / "report"
+    agg = json.loads((out_dir / "report.json").read_text())
+    table = (out_dir / "report.md").read_text()
+    for mode in ("fp4_trace", "fp4_trace_all"):
+        rl = [
+            [
+                r
+                for r in runlog.read_metrics(sweep_dir / f"{mode}-seed{s}" / "metrics.jsonl")
+                if "reward" in r
+            ]
+            for s in (0, 1)
+        ]
+        for key, values in [
+            ("mismatch/logp_abs/last_fifth", [recs[-1]["mismatch/logp_abs"] for recs in rl]),
+            ("eval/reward_end", [recs[-1]["eval/reward"] for recs in rl]),
+            ("reward/first_fifth", [recs[0]["reward"] for recs in rl]),
+            ("time/step_s", [recs[1]["step_s"] for recs in rl]),
+        ]:
+            stat = agg[mode][key]
+            assert stat["n"] == 2 and stat["mean"] == pytest.approx(np.mean(values))
+            assert stat["sd"] == pytest.approx(np.std(values, ddof=1))
+        row = next(line for line in table.splitlines() if line.startswith(f"| {mode} | 2 |"))
+        logp = agg[mode]["mismatch/logp_abs/last_fifth"]
+        assert f"{logp['mean']:.4g} ± {logp['sd']:.2g}" in row
+    for name in ("eval_reward", "mismatch", "codes", "mismatch_by_layer", "timing"):
+        assert f"![{name}]({name}.png)" in table
+        image = plt_imread(out_dir / f"{name}.png")
+        assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0
+
+
+def plt_imread(path: Path) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path)
