@@ -9,6 +9,8 @@
 set -u
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT" runs
+# Programs compiled by one step are loaded by the next (the machine starts with no cache).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 PY=${PYTHON:-python3}
 BENCH=experiments/bench
 RUN="$PY -m experiments run"
@@ -28,18 +30,29 @@ if [ "${1:-}" = "--list" ]; then
   exit 0
 fi
 
+# The steps named, in the order given (default: all, in the table's order).
+selected=()
+if [ $# -eq 0 ]; then
+  selected=("${STEPS[@]}")
+else
+  for want in "$@"; do
+    found=0
+    for s in "${STEPS[@]}"; do
+      if [ "${s%%|*}" = "$want" ]; then selected+=("$s"); found=1; fi
+    done
+    [ $found = 1 ] || { echo "rl_suite.sh: no step named $want (see --list)" >&2; exit 2; }
+  done
+fi
+
 summary=()
-for s in "${STEPS[@]}"; do
+for s in "${selected[@]}"; do
   IFS='|' read -r name limit cmd <<<"$s"
-  if [ $# -gt 0 ] && ! printf '%s\n' "$@" | grep -qx "$name"; then
-    continue
-  fi
   echo "== $name ($limit s): $cmd"
   start=$(date +%s)
   timeout "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
   rc=$?
   secs=$(($(date +%s) - start))
-  grep -v '^train \[' "$OUT/$name.log" | tail -n 30
+  tail -n 30 "$OUT/$name.log"
   summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
 done
 echo
