@@ -2,6 +2,8 @@
 ``ragged_dot``; prepacked ``Fp4Weight`` -> the grouped FP4 Pallas kernel, interpreted on the
 CPU, or XLA where the kernel does not apply)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,3 +81,36 @@ def test_array_weights_are_plain_ragged_dot():
     w = jax.random.normal(jax.random.key(5), (4, 64, 32), jnp.float32).astype(jnp.bfloat16)
     ref = jax.lax.ragged_dot(x, w, SIZES, preferred_element_type=jnp.float32).astype(x.dtype)
     np.testing.assert_array_equal(np.asarray(layers.expert_matmul(x, w, SIZES)), np.asarray(ref))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[3, 0, 9, 1], [0, 0, 40, 0], [17, 5, 0, 33, 1, 0, 2, 70]],
+    ids=["some", "one", "eight"],
+)
+def test_grouped_matmul_gradients_by_blocks_equal_ragged_dots(sizes):
+    """The block-by-block backward (no E-times dense expansion) gives ragged_dot's gradients."""
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k, n = int(gs.sum()), 48, 24
+    kx, kw, kg = jax.random.split(jax.random.key(len(sizes)), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (len(sizes), k, n), jnp.float32)
+    cot = jax.random.normal(kg, (m, n), jnp.float32)
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w, gs) * cot)
+
+    ragged = lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)  # noqa: E731
+    want = jax.grad(lambda x, w: loss(ragged, x, w), argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(lambda x, w: loss(layers.grouped_matmul, x, w), argnums=(0, 1)))(x, w)
+    # the dense reference, expert by expert
+    bounds = np.cumsum([0, *sizes])
+    dw = np.stack(
+        [np.asarray(x)[a:b].T @ np.asarray(cot)[a:b] for a, b in itertools.pairwise(bounds)]
+    )
+    np.testing.assert_allclose(np.asarray(got[1]), dw, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(
+        np.asarray(layers.grouped_matmul(x, w, gs)), np.asarray(ragged(x, w, gs))
+    )
