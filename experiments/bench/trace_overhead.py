@@ -32,7 +32,9 @@ from trace_jax.rollout import RolloutConfig, RolloutEngine
 
 
 def _median_time(fn, repeats: int) -> tuple[float, object]:
+    t0 = time.perf_counter()
     out = jax.block_until_ready(fn())  # warm-up: compilation
+    print(f"  first call (compilation included): {time.perf_counter() - t0:.1f} s", flush=True)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -68,6 +70,7 @@ def measure(
     }
     out: dict[str, dict[str, float]] = {}
     for name, (rollout_policy, train_policy) in sides.items():
+        print(f"{name}: engine, rollout, guidance, trainer", flush=True)
         engine = RolloutEngine(model, rollout_policy, rollout_cfg)
         phases: dict[str, float] = {}
         phases["refit"], _ = _median_time(
