@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from trace_jax.config import (
     to_dict,
 )
 from trace_jax.model.hf import CheckpointError
-from trace_jax.rl import checkpoint as run_checkpoint
 from trace_jax.rl import runlog
 
 ALLOW_CHANGE = "--allow-config-change"
@@ -115,10 +113,6 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
             (run_dir / runlog.CONFIG).unlink()  # refused before any work: leave nothing behind
             run_dir.rmdir()
         raise
-    except Exception as e:
-        if _raised_in(e, run_checkpoint.__file__):
-            raise CheckpointError(_checkpoint_failure(run_dir, e)) from e
-        raise
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         summary = runlog.summarize(runlog.read_metrics(metrics), getattr(cfg, "eval_split", "eval"))
@@ -158,19 +152,3 @@ def _interrupted(run_dir: Path) -> str:
         return f"interrupted: {run_dir} has no checkpoint yet (a rerun starts from step 0)"
     last = run_dir / "checkpoints" / str(steps[-1])
     return f"interrupted: the last checkpoint is {last} (the same command resumes from it)"
-
-
-def _raised_in(e: BaseException, filename: str) -> bool:
-    target = Path(filename).resolve()
-    return any(Path(f.filename).resolve() == target for f in traceback.extract_tb(e.__traceback__))
-
-
-def _checkpoint_failure(run_dir: Path, e: Exception) -> str:
-    steps = runlog.checkpoint_steps(run_dir)
-    where = run_dir / "checkpoints" / (str(steps[-1]) if steps else "")
-    first = (str(e).strip().splitlines() or [""])[0]
-    first = first if len(first) <= 160 else first[:160] + "..."
-    return (
-        f"{where}: the run checkpoint cannot be used ({type(e).__name__}: {first}); remove it to "
-        f"resume from an earlier one, or use a new --run-dir"
-    )

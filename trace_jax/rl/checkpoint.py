@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from trace_jax.model import CheckpointError
+
 
 class RunCheckpointer:
     """Args:
@@ -40,17 +42,27 @@ class RunCheckpointer:
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
         """The checkpoint of ``step``; ``like`` is a pytree of the same structure whose arrays
-        give shapes, dtypes and shardings."""
+        give shapes, dtypes and shardings. Raises ``CheckpointError`` naming the step's folder
+        when it cannot be read."""
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             like,
         )
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                tree=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    tree=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # orbax and tensorstore raise many types; all mean "unusable"
+            first = (str(e).strip().splitlines() or [""])[0]
+            first = first if len(first) <= 160 else first[:160] + "..."
+            raise CheckpointError(
+                f"{self.directory / str(step)}: the run checkpoint cannot be used "
+                f"({type(e).__name__}: {first}); remove it to resume from an earlier one, or use "
+                "a new --run-dir"
+            ) from e
         return out["tree"], dict(out["meta"])
 
     def close(self) -> None:

@@ -629,7 +629,8 @@ def _restore_policy(path: str, model: Transformer) -> None:
     try:
         restore_params(folder, model)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = e.__cause__ or e  # restore_params names the folder already: keep the reason
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
         raise ConfigError(
             f"init_checkpoint: {folder} does not hold parameters of this model config ({first})"
         ) from None
