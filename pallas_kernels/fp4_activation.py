@@ -1,5 +1,5 @@
 """The rollout-side activation quantizer of W4A4, fused into one kernel: NVFP4 along K with one
-global scale per token (``fp4_matmul.quantize_activation``), returned as the exact bf16 block
+global scale per token (``quantize_activation``), returned as the exact bf16 block
 values ``code * block_scale`` and the per-token global scale.
 
 ``x^ = (code * s_b) * s_g``: the matmul multiplies the first factor (6 significant bits, exact
@@ -141,7 +141,12 @@ def activation_blocks(xq: QTensor) -> tuple[jax.Array, jax.Array]:
     return values, jnp.broadcast_to(xq.global_scale, (m, 1))[:, 0].astype(jnp.float32)
 
 
+def quantize_activation(x: jax.Array) -> QTensor:
+    """The rollout-side activation quantizer: NVFP4 along K with one global scale per token."""
+    return fp4.quantize(x, "nvfp4", axis=-1, global_scale="row")
+
+
 def quantize_activation_blocks_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """XLA definition of ``quantize_activation_blocks``: ``fp4.quantize(x, "nvfp4", axis=-1,
-    global_scale="row")`` through ``activation_blocks``."""
-    return activation_blocks(fp4.quantize(x, "nvfp4", axis=-1, global_scale="row"))
+    """XLA definition of ``quantize_activation_blocks``: ``quantize_activation(x)`` through
+    ``activation_blocks``."""
+    return activation_blocks(quantize_activation(x))

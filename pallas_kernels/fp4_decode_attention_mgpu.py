@@ -1,8 +1,9 @@
 """Decode attention over an NVFP4 or MXFP4 KV cache on Hopper tensor cores (Mosaic GPU).
 
-One new query token per sequence against its cache slots, as ``fp4_decode_attention`` (same
-arguments, same flash-decoding splits and ``_combine``), with the slots on the matrix unit's wide
-side so that nothing is padded and the decoded K tile never leaves the registers:
+One new query token per sequence against its cache slots, as ``fp4_decode_attention_triton``
+(same arguments, same flash-decoding splits and ``kv_layout.combine_splits``; the op's
+reference is ``fp4_decode_attention.decode_attention_reference``), with the slots on the matrix
+unit's wide side so that nothing is padded and the decoded K tile never leaves the registers:
 
 * scores, transposed: ``s^T [64 slots, G] = K [64, D] @ q^T [D, G]`` with ``wgmma``: the 64
   decoded K rows are its register operand, the ``G`` query heads of the KV head (padded to a
@@ -63,8 +64,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_layout import check_shapes, combine_splits, default_splits
 from trace_jax import fp4
-from trace_jax.rollout import kv_cache
+from trace_jax.fp4.kv_format import Stored
 
 _BK = 64  # slots per step: the wgmma M side of the scores
 _COLS = 8  # query heads are padded to a multiple of 8 (the wgmma N side)
@@ -112,14 +114,12 @@ class MgpuAttentionConfig:
 
 
 def default_config(batch: int, max_len: int, kv_heads: int) -> MgpuAttentionConfig:
-    """The Triton kernel's splits rule (``fp4_decode_attention.default_splits``) over 64-slot
-    steps, 2 buffers."""
-    from pallas_kernels.fp4_decode_attention import default_splits
-
+    """The Triton kernel's splits rule (``kv_layout.default_splits``) over 64-slot steps, 2
+    buffers."""
     return MgpuAttentionConfig(num_splits=default_splits(batch, kv_heads, max(1, max_len // _BK)))
 
 
-def supports(k: kv_cache.Stored, v: kv_cache.Stored, q_heads: int) -> bool:
+def supports(k: Stored, v: Stored, q_heads: int) -> bool:
     """Whether the kernel takes this cache: NVFP4 K and V with D a multiple of 64 (at most 256)
     or MXFP4 with D = 128 (a head's four scale bytes are one 32-bit word), a length that is a
     multiple of 64, at most 256 query heads per KV head, and 16-byte TMA rows for the scales of
@@ -246,6 +246,15 @@ setp.eq.u32 p, m, 255;
 selp.b32 $1, 0x7FC00000, f, p;
 }
 """
+
+
+def inline_ptx() -> dict[str, tuple[str, int, int]]:
+    """name -> (PTX text with $i operands, outputs, inputs) of the decode blocks the kernel
+    inlines (for compiling them offline: ``experiments/bench/offline_sass.py``)."""
+    return {
+        "attention code word": (_WORD_ASM, 4, 2),
+        "attention mxfp4 scales": (_MX_SCALE_ASM, 2, 2),
+    }
 
 
 def _first_row(t, c):
@@ -731,8 +740,6 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
     kernel also writes the new rows into the cache operands in place (``lengths`` counting the
     new token). Returns (out [B, Hq, D] bf16, the written K and V cache operands (``_operands``
     order), or None without ``append``)."""
-    from pallas_kernels.fp4_decode_attention import _combine, check_shapes
-
     _, (b, s, hkv, d) = check_shapes(q, k, v, window, "decode_attention_mgpu")
     if not supports(k, v, q.shape[1]):
         raise ValueError(
@@ -788,6 +795,6 @@ def attend(q, k, v, lengths, sm_scale, window, config, interpret, append=None):
     o_t, m, l = kernel(lengths.astype(jnp.int32), qp, *cache, *extra)
     # o^T rows come in the V tile's column order: back to D order, heads first
     o = from_columns(jnp.swapaxes(o_t[..., :g], -1, -2), "vector")
-    (out,) = _combine([o], m[..., :g], l[..., :g])
+    (out,) = combine_splits([o], m[..., :g], l[..., :g])
     out = out.reshape(b, hq, d).astype(jnp.bfloat16)
     return out, ([jax.freeze(r) for r in cache] if append is not None else None)

@@ -5,9 +5,9 @@ in one fused multiply-add. So the kernel is a stream of code words through the C
 the H200 it is bound by how many bytes each multiprocessor keeps in flight and by how many
 instructions each weight element costs (BENCHMARKS.md has the Nsight Compute readings).
 
-Weight layout (``pack_gemv_words``/``with_gemv_layout``, built once by ``fp4_matmul.prepack``
-for NVFP4): 32-bit words, 8 codes a word. Inside each ``block_k`` step of a row, word
-``(g, b)`` holds elements ``8g .. 8g+7`` of block ``b`` (``g < block_size/8``), stored
+Weight layout (``layouts.pack_gemv_words``/``layouts.with_gemv_layout``, built once by
+``layouts.prepack`` for NVFP4): 32-bit words, 8 codes a word. Inside each ``block_k`` step of a
+row, word ``(g, b)`` holds elements ``8g .. 8g+7`` of block ``b`` (``g < block_size/8``), stored
 group-major, so the words of one group form a [rows, block_k/block_size] tile whose column
 ``b`` is block ``b`` and the tile's block scales are a plain tile of the same shape (no
 broadcast). Row-tiled (``block_n`` > 0), the words and scales of one (row tile, step) are one
@@ -41,12 +41,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.dequant import scale_f32_bits
+from pallas_kernels.layouts import GEMV_BLOCK_K, GEMV_ROW_TILED, Fp4Weight, gemv_default_block_n
 from trace_jax.fp4 import FormatSpec
 
-# Bit positions, inside a word, of slot r's 3 magnitude bits (lowest bit) and of its sign bit.
-# Slot r is float16 lane r % 2 of pair r // 2 (see _decode_word).
-_MAG_BIT = (9, 25, 6, 22, 3, 19, 0, 16)
-_SIGN_BIT = (15, 31, 12, 28, 14, 30, 13, 29)
+# float16 pair masks of the word layout (``layouts.GEMV_MAG_BIT`` / ``GEMV_SIGN_BIT``)
 _PAIR = 0x8E008E00  # sign and magnitude bits of both float16 lanes
 _PAIR_MAG = 0x0E000E00
 _PAIR_SIGN = 0x80008000
@@ -73,7 +72,7 @@ class Fp4GemvConfig:
     """
 
     block_n: int = 64
-    block_k: int = 256
+    block_k: int = GEMV_BLOCK_K
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
@@ -93,19 +92,8 @@ class Fp4GemvConfig:
             raise ValueError(f"Fp4GemvConfig.decode: unknown {self.decode!r}")
 
 
-GEMV_BLOCK_K = Fp4GemvConfig().block_k  # the granule prepack uses by default
-
-
-def gemv_supported(k: int, n: int, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K) -> bool:
-    """Whether a [K, N] weight can use the packed word layout with this ``block_k``."""
-    nb = block_k // fmt.block_size
-    return k % block_k == 0 and nb >= 4 and nb & (nb - 1) == 0 and n % 8 == 0
-
-
 # Defaults from the H200 sweep (BENCHMARKS.md, ``experiments/bench/fp4_matmul.py --gemv``).
-_DEFAULT_BLOCK_N = 32
 _MIN_PROGRAMS = 896  # K is split until there are at least this many programs
-ROW_TILED = True  # prepack lays each (row tile, step) of words out contiguously
 
 
 def default_gemv_config(
@@ -114,9 +102,7 @@ def default_gemv_config(
     """Tuned defaults (H200, BENCHMARKS.md). ``block_n``: the row tile of a row-tiled weight
     layout (0: free to choose)."""
     if not block_n:
-        block_n = _DEFAULT_BLOCK_N
-        while n % block_n:
-            block_n //= 2
+        block_n = gemv_default_block_n(n)
     split = 1
     while n // block_n * split < _MIN_PROGRAMS and k % (block_k * split * 2) == 0:
         split *= 2
@@ -125,56 +111,7 @@ def default_gemv_config(
 
 def layout_block_n(cfg: Fp4GemvConfig, n: int) -> int:
     """The row tile ``prepack`` lays out for ``cfg`` (0: rows in order)."""
-    return cfg.block_n if ROW_TILED and n % cfg.block_n == 0 else 0
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def pack_gemv_words(
-    codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K, block_n: int = 0
-) -> jax.Array:
-    """Stored codes [N, K/2] uint8 (element 2i in the low nibble of byte i) -> words [N, K/8]
-    uint32 in the kernel's order (module docstring); with ``block_n`` > 0, row tiles made
-    contiguous per step: [N/block_n, K/block_k * block_n, block_k/8]."""
-    n, half_k = codes.shape
-    k = 2 * half_k
-    bs = fmt.block_size
-    groups, nb = bs // 8, block_k // bs
-    nib = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(n, k).astype(jnp.uint32)
-    # k = step * block_k + b * bs + g * 8 + r  ->  [n, step, g, b, r]
-    nib = nib.reshape(n, k // block_k, nb, groups, 8).transpose(0, 1, 3, 2, 4)
-    mag = jnp.asarray(np.array(_MAG_BIT, np.uint32))
-    sign = jnp.asarray(np.array(_SIGN_BIT, np.uint32))
-    parts = ((nib & 7) << mag) | ((nib >> 3) << sign)
-    words = functools.reduce(jnp.bitwise_or, [parts[..., r] for r in range(8)])
-    words = words.reshape(n, k // 8).astype(jnp.uint32)
-    if not block_n:
-        return words
-    tiles = words.reshape(n // block_n, block_n, k // block_k, block_k // 8).transpose(0, 2, 1, 3)
-    return tiles.reshape(n // block_n, k // block_k * block_n, block_k // 8)
-
-
-def pack_gemv_scales(scales: jax.Array, fmt: FormatSpec, block_k: int, block_n: int) -> jax.Array:
-    """Scale bytes [N, K/block] -> [N/block_n, K/block_k * block_n, block_k/block]: the scales
-    of one (row tile, step) contiguous, as ``pack_gemv_words`` with ``block_n`` lays the words."""
-    n, nblk = scales.shape
-    nb = block_k // fmt.block_size
-    tiles = scales.reshape(n // block_n, block_n, nblk // nb, nb).transpose(0, 2, 1, 3)
-    return tiles.reshape(n // block_n, nblk // nb * block_n, nb)
-
-
-def with_gemv_layout(w, block_k: int = GEMV_BLOCK_K, block_n: int = 0):
-    """``w`` (an ``fp4_matmul.Fp4Weight``) with its codes (and, for ``block_n`` > 0, its scales)
-    copied into the one-token kernel's layout for this ``block_k`` (and row tile)."""
-    k, n = w.shape
-    if not gemv_supported(k, n, w.fmt, block_k) or (block_n and n % block_n):
-        raise ValueError(f"one-token layout: [K={k}, N={n}] does not tile by {block_k}, {block_n}")
-    words = pack_gemv_words(w.codes, w.fmt, block_k, block_n)
-    scales = pack_gemv_scales(w.scales, w.fmt, block_k, block_n) if block_n else None
-    return dataclasses.replace(
-        w, gemv_words=words, gemv_scales=scales, gemv_block_k=block_k, gemv_block_n=block_n
-    )
+    return cfg.block_n if GEMV_ROW_TILED and n % cfg.block_n == 0 else 0
 
 
 def arrange_x(x: jax.Array, fmt: FormatSpec, block_k: int) -> jax.Array:
@@ -271,9 +208,7 @@ def _word_fma(q: jax.Array, xs, part: jax.Array | None) -> jax.Array:
 
 def _scale_f32(s: jax.Array, offset: jax.Array, fmt: FormatSpec) -> jax.Array:
     """Block-scale bytes -> float32 ``scale * 2**(offset - 112)``."""
-    from pallas_kernels.fp4_matmul import _scale_f32_bits  # one definition of the scale bits
-
-    return jax.lax.bitcast_convert_type(_scale_f32_bits(s, offset, fmt), jnp.float32)
+    return jax.lax.bitcast_convert_type(scale_f32_bits(s, offset, fmt), jnp.float32)
 
 
 def decode_reference(words: jax.Array, scales: jax.Array, fmt: FormatSpec, block_k: int):
@@ -344,8 +279,10 @@ def _gemv_kernel(x_ref, c_ref, s_ref, off_ref, g_ref, o_ref, *, fmt, cfg, steps,
     o_ref[...] = y[None, :].astype(o_ref.dtype)
 
 
-def fp4_gemv(x: jax.Array, w, config: Fp4GemvConfig, interpret: bool = False) -> jax.Array:
-    """``x @ dequantize(w)`` for one token. x: [1, K] bf16; w: ``fp4_matmul.Fp4Weight`` with
+def fp4_gemv(
+    x: jax.Array, w: Fp4Weight, config: Fp4GemvConfig, interpret: bool = False
+) -> jax.Array:
+    """``x @ dequantize(w)`` for one token. x: [1, K] bf16; w: ``layouts.Fp4Weight`` with
     packed words (``w.gemv_words``, packed with ``config.block_k``, and with ``config.block_n``
     where the layout is row-tiled). Returns [1, N] bf16."""
     cfg = config

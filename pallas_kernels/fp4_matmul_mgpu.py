@@ -16,13 +16,13 @@ the fp32 sums are multiplied by their row's output scale and rounded once to bf1
 kernel (with one, the fp32 partials are summed and scaled in XLA); the result is staged for its
 TMA copy out in the shared memory the loop's buffers used (a second scope).
 
-Layout (``prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64] bf16 tile
-gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
+Layout (``layouts.prepack_mgpu``, once at load). The ``wgmma`` register operand for a [64, 64]
+bf16 tile gives thread ``t = 32 w + 4 a + b`` of the warpgroup the pairs ``(row, cols)`` =
 ``(16 w + 8 rh + a, 16 j + 8 cto + 2 b + {0, 1})`` for ``j < 4`` (a 16-element block),
 ``cto, rh < 2``. The thread's 32 codes are stored as 4 contiguous 32-bit words, word ``j`` holding
 block ``j``'s 4 pairs with the bits placed so that each pair becomes a bf16 pair worth
-``code * 2**-126`` with one to four integer operations (``_SLOTS``). The block scales of a
-64 x 64 tile are 64 words, one per row, byte ``j`` = block ``j``'s scale (E4M3 bits; for MXFP4
+``code * 2**-126`` with one to four integer operations (``layouts.MGPU_SLOTS``). The block scales
+of a 64 x 64 tile are 64 words, one per row, byte ``j`` = block ``j``'s scale (E4M3 bits; for MXFP4
 the E8M0 exponent plus the tensor's offset, repeated for both halves of a 32-element block). The
 decoded pair is multiplied by the scale times a power of two as a bf16 pair (exact; bf16
 arithmetic keeps the subnormal 0.5 code), and the global scale times the inverse power of two
@@ -49,26 +49,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plgpu_triton
 
-from trace_jax.fp4 import QTensor
-from trace_jax.fp4.formats import E8M0_NAN
+from pallas_kernels.layouts import (
+    MGPU_CHUNK,
+    MGPU_SLOTS,
+    MGPU_TILE_N,
+    NVFP4_SCALE_OFFSET,
+    MgpuWeight,
+)
 
-_TILE_N = 64  # weight rows per program: the wgmma register operand's rows
-_CHUNK = 64  # K elements per decoded operand tile (4 NVFP4 blocks)
 _ROW_ALIGN = 8  # rows per tile of the swizzled activation buffer
-_SCALE_OFFSET = 100  # power of two folded into the block scales (normal bf16 products)
-
-# Bit positions in a code word: slot (pair P, element v) -> (sign bit, lowest magnitude bit).
-# Pair P of word j is the operand pair (cto, rh) = (P // 2, P % 2); v is its element.
-_SLOTS = {
-    (0, 0): (15, 6),
-    (0, 1): (31, 22),
-    (1, 0): (9, 0),
-    (1, 1): (25, 16),
-    (2, 0): (14, 3),
-    (2, 1): (30, 19),
-    (3, 0): (10, 11),
-    (3, 1): (26, 27),
-}
 
 Decode = Literal["asm", "portable", "none"]
 SplitIn = Literal["grid", "warpgroups"]
@@ -116,7 +105,7 @@ class MgpuMatmulConfig:
     tiles: int = 1
 
     def __post_init__(self):
-        if self.block_k < _CHUNK or self.block_k % _CHUNK:
+        if self.block_k < MGPU_CHUNK or self.block_k % MGPU_CHUNK:
             raise ValueError(f"MgpuMatmulConfig.block_k must be a multiple of 64: {self.block_k}")
         if self.stages < 1 or self.split_k < 1:
             raise ValueError(f"MgpuMatmulConfig: stages and split_k must be >= 1: {self}")
@@ -200,23 +189,23 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     the programs (H100, K=4096: 23.9 vs 31.3 us at M=64, 30.4 vs 39.2 at M=128). A shape these
     do not fit takes the most buffers of 256, else 128, elements that fit in shared memory.
     """
-    block_k = 256 if k % 256 == 0 else _CHUNK
+    block_k = 256 if k % 256 == 0 else MGPU_CHUNK
     if m > 16:
         mpad = _round_up(m, _ROW_ALIGN)
-        two_wg = n % (2 * _TILE_N) == 0
-        if two_wg and m <= 128 and n // (2 * _TILE_N) < _NUM_SMS:
+        two_wg = n % (2 * MGPU_TILE_N) == 0
+        if two_wg and m <= 128 and n // (2 * MGPU_TILE_N) < _NUM_SMS:
             preferred = [(128, 3, 1)]
         elif two_wg:
             preferred = [(128, 3, 2)] if m <= 64 else [(64, 4, 2)] if m <= 128 else [(128, 3, 2)]
         else:
             preferred = [(64, 4, 1)] if m > 64 else []
-        fallback = ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (_CHUNK, 2))
+        fallback = ((block_k, 4), (block_k, 3), (128, 4), (128, 3), (128, 2), (MGPU_CHUNK, 2))
         for bk, stages, wgs in (*preferred, *((bk, st, 1) for bk, st in fallback)):
             cfg = MgpuMatmulConfig(block_k=bk, stages=stages, warpgroups=wgs)
             if k % bk == 0 and _smem_bytes(cfg, stages, mpad) <= _SMEM_LIMIT:
                 return cfg
-        return MgpuMatmulConfig(block_k=_CHUNK, stages=2)
-    if m == 1 and k <= 4096 and k % 256 == 0 and n % (2 * _TILE_N) == 0:
+        return MgpuMatmulConfig(block_k=MGPU_CHUNK, stages=2)
+    if m == 1 and k <= 4096 and k % 256 == 0 and n % (2 * MGPU_TILE_N) == 0:
         return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, warpgroups=2)
     if k % 256 == 0 and 2048 <= k <= 4096:
         return MgpuMatmulConfig(block_k=128, stages=4, split_k=2, split_in="warpgroups")
@@ -224,103 +213,14 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     return MgpuMatmulConfig(block_k=block_k, stages=3, split_k=split)
 
 
-# ----------------------------------------------------------------------------- prepacked weight
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MgpuWeight:
-    """NVFP4 weights [*E, K, N] in the operand layout of the kernels (a pytree); ``E``: the
-    experts of a grouped weight, absent for a dense one.
-
-    Attributes:
-      words: [*E, N/64, K/64, 2, 256] uint32, each thread's 4 code words per 64 x 64 tile
-        (thread t at flat word 4 t; two 1 KB rows, so each TMA row is long).
-      scales: [*E, N/64, K/64, 64] uint32, one word of 4 E4M3 block scales per row and tile.
-      out_scale: [*E, N] float32, what multiplies the fp32 sums: ``global_scale * 2**(126 - c)``
-        for the offset ``c`` folded into the scales; NaN for a row with a NaN (E8M0) scale.
-      scale_format: "e4m3" (NVFP4: scale bytes are E4M3 bits, ``c`` = 100) or "e8m0" (MXFP4:
-        bytes are the biased exponent plus ``c = 254 - max exponent``, each 32-element block's
-        byte repeated for its two 16-element halves).
-    """
-
-    words: jax.Array
-    scales: jax.Array
-    out_scale: jax.Array
-    scale_format: str = dataclasses.field(default="e4m3", metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *e, nt, kt = self.words.shape[:-2]
-        return (*e, kt * _CHUNK, nt * _TILE_N)
-
-
-def _pack(
-    codes: jax.Array, scale_bytes: jax.Array, out_scale: jax.Array, scale_format: str
-) -> MgpuWeight:
-    """Stored codes [*E, N, K/2] uint8, one scale byte per 16-element block [*E, N, K/16]
-    uint8 and ``out_scale`` [*E, N] -> the kernels' layout."""
-    *lead, n, kh = codes.shape
-    k = 2 * kh
-    if n % _TILE_N or k % _CHUNK:
-        raise ValueError(f"prepack_mgpu: K={k} and N={n} must be multiples of 64")
-    nt, kt = n // _TILE_N, k // _CHUNK
-    c = codes.astype(jnp.uint32)
-    q = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(-1, n, k)  # nibble of element (n, k)
-    e = q.shape[0]
-    # rows n = 64 tn + 16 w + 8 rh + a; cols k = 64 kc + 16 j + 8 cto + 2 b + v
-    q = q.reshape(e, nt, 4, 2, 8, kt, 4, 2, 4, 2)
-    # -> [e, tn, kc, w, a, b, j, cto, rh, v]: thread (w, a, b), word j, pair P = 2 cto + rh
-    q = q.transpose(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(e, nt, kt, 128, 4, 4, 2)
-    words = jnp.zeros((e, nt, kt, 128, 4), jnp.uint32)
-    for (p, v), (sign, mag) in _SLOTS.items():
-        nib = q[..., p, v]
-        words = words | ((nib >> 3) << sign) | ((nib & 7) << mag)
-    sc = scale_bytes.astype(jnp.uint32)
-    sc = sc.reshape(e, nt, _TILE_N, kt, 4).transpose(0, 1, 3, 2, 4)
-    scales = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)
-    return MgpuWeight(
-        words=words.reshape(*lead, nt, kt, 2, 256),
-        scales=scales.reshape(*lead, nt, kt, _TILE_N),
-        out_scale=out_scale,
-        scale_format=scale_format,
-    )
-
-
-def default_on(fmt, k: int, n: int) -> bool:
-    """Whether ``prepack``/``prepack_grouped`` build this layout unless told otherwise: NVFP4
-    or MXFP4 (both measured on the H200) with K and N multiples of 64."""
-    return fmt.name in ("nvfp4", "mxfp4") and k % _CHUNK == 0 and n % _TILE_N == 0
-
-
-def prepack_mgpu(w: QTensor, base=None) -> MgpuWeight:
-    """Arrange an NVFP4 or MXFP4 ``QTensor`` for the kernels: a dense weight of logical shape
-    [K, N] quantized along K (axis 0), or expert weights [E, K, N] quantized along K (axis 1).
-
-    ``base``: ``fp4_matmul._prepack_arrays(w)`` when the caller has it already (its scale
-    bytes, offset and output scales, shared by every FP4 kernel)."""
-    from pallas_kernels.fp4_matmul import _prepack_arrays
-
-    dense = len(w.shape) == 2 and w.axis == 0 and w.codes.ndim == 2
-    grouped = len(w.shape) == 3 and w.axis == 1 and w.codes.ndim == 3
-    if not (dense or grouped):
-        raise ValueError(
-            f"prepack_mgpu: a [K, N] weight quantized along axis 0 or [E, K, N] along axis 1, "
-            f"got shape {w.shape} axis {w.axis}"
-        )
-    base = base if base is not None else _prepack_arrays(w)
-    sb = base.scales  # [*E, N, K/block] uint8
-    if w.fmt.scale_format == "e8m0":
-        finite = jnp.where(sb == E8M0_NAN, 0, sb).astype(jnp.int32)
-        sb = jnp.repeat((finite + base.scale_offset).astype(jnp.uint8), 2, axis=-1)
-    return _pack(w.codes, sb, base.out_scale, w.fmt.scale_format)
-
-
 # ----------------------------------------------------------------------------- decode
 
 # scale byte -> the bf16 pair (scale * 2**c, scale * 2**c) = byte * mult + bias
 _SCALE_MAD = {
-    "e4m3": (0x00100010, ((_SCALE_OFFSET + 120) << 7) * 0x10001),  # E4M3 bits -> exponent 7..14
+    "e4m3": (
+        0x00100010,
+        ((NVFP4_SCALE_OFFSET + 120) << 7) * 0x10001,
+    ),  # E4M3 bits -> exponent 7..14
     "e8m0": (0x00800080, 0),  # already the biased exponent
 }
 
@@ -354,6 +254,12 @@ mul.rn.bf16x2 $3, a, sb;
 """
 
 
+def inline_ptx() -> dict[str, tuple[str, int, int]]:
+    """name -> (PTX text with $i operands, outputs, inputs) of the decode blocks the kernels
+    inline (for compiling them offline: ``experiments/bench/offline_sass.py``)."""
+    return {f"matmul code word ({fmt})": (_asm_word(0, fmt), 4, 3) for fmt in ("e4m3", "e8m0")}
+
+
 def _decode_asm(words_ref, scales_ref, scale_format, arithmetic=True):
     """[2, 256] uint32 code words and [64] uint32 scale words (shared memory) -> the bf16
     [64, 64] operand tile in the ``wgmma`` register layout (``arithmetic=False``: the loaded
@@ -367,7 +273,7 @@ def _decode_asm(words_ref, scales_ref, scale_format, arithmetic=True):
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct(
-            (_TILE_N, _CHUNK), jnp.bfloat16, layout=plgpu.Layout.WGMMA
+            (MGPU_TILE_N, MGPU_CHUNK), jnp.bfloat16, layout=plgpu.Layout.WGMMA
         ),
     )
     def decode(_, w_ref, s_ref):
@@ -386,7 +292,7 @@ def _decode_asm(words_ref, scales_ref, scale_format, arithmetic=True):
         s1 = memref.load(s_ref, [arith.index_cast(index, arith.addi(r0, c(8)))])
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         struct = llvm.StructType.get_literal([i32] * 4)
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_TILE_N, _CHUNK)), dtype=object)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((MGPU_TILE_N, MGPU_CHUNK)), dtype=object)
         for j in range(4):
             word = vector.extract(words, [], [j])
             if not arithmetic:
@@ -414,27 +320,27 @@ def _decode_portable(words_ref, scales_ref, scale_format):
     vals = []
     for p in range(4):
         for v in range(2):
-            sign, mag = _SLOTS[(p, v)]
+            sign, mag = MGPU_SLOTS[(p, v)]
             m = ((w >> mag) & 7).astype(jnp.float32)
             e2m1 = 0.5 * m + 0.5 * jnp.maximum(m - 4, 0) + jnp.maximum(m - 6, 0)
             vals.append(jnp.where((w >> sign) & 1 == 1, -e2m1, e2m1))
     # [t=(w, a, b), j, cto, rh, v] -> [w, rh, a, j, cto, b, v] = [row, col]
     x = jnp.stack(vals, axis=-1).reshape(4, 8, 4, 4, 2, 2, 2)
-    x = x.transpose(0, 5, 1, 3, 4, 2, 6).reshape(_TILE_N, _CHUNK)
+    x = x.transpose(0, 5, 1, 3, 4, 2, 6).reshape(MGPU_TILE_N, MGPU_CHUNK)
     sb = jnp.stack([(s >> (8 * j)) & 0xFF for j in range(4)], axis=-1)  # [64, 4] scale bytes
     if scale_format == "e4m3":
         # E4M3 (bias 7) -> float32 worth scale * 2**(c - 126): exponent + 120 + c - 126
         sf = lax.bitcast_convert_type(
-            ((sb & 0x7F) << 20) + ((_SCALE_OFFSET - 6) << 23), jnp.float32
+            ((sb & 0x7F) << 20) + ((NVFP4_SCALE_OFFSET - 6) << 23), jnp.float32
         )
-        x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
+        x = x.reshape(MGPU_TILE_N, 4, 16) * sf[:, :, None]
     else:
         # exponent byte e -> 2**(e - 127) times the code's 2**-126 (as the GPU's bf16 pair carries
         # it) in one float32 power of two, normal for e >= 127 (smaller bytes are more than 126
         # binades below the tensor's largest scale: 0 here)
         sf = lax.bitcast_convert_type(jnp.maximum(sb.astype(jnp.int32) - 126, 0) << 23, jnp.float32)
-        x = x.reshape(_TILE_N, 4, 16) * sf[:, :, None]
-    return x.reshape(_TILE_N, _CHUNK).astype(jnp.bfloat16)
+        x = x.reshape(MGPU_TILE_N, 4, 16) * sf[:, :, None]
+    return x.reshape(MGPU_TILE_N, MGPU_CHUNK).astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -480,7 +386,7 @@ def _stream(
     nwg = _threads(cfg)
     wg = lax.axis_index("wg") if nwg > 1 else 0
     collective = ("wg",) if nwg > 1 else ()
-    chunks = cfg.block_k // _CHUNK
+    chunks = cfg.block_k // MGPU_CHUNK
     xi = wg if ksplit else 0  # the warpgroup's activation buffers
     tile = 0 if ksplit else wg  # its 64 output rows
     tiles = cfg.tiles
@@ -511,7 +417,9 @@ def _stream(
             plgpu.copy_gmem_to_smem(w_src, w_dst, barrier(slot))
             plgpu.copy_gmem_to_smem(s_src, s_dst, barrier(slot))
             plgpu.copy_gmem_to_smem(
-                x_rows.at[:, pl.ds(kc * _CHUNK, cfg.block_k)], x_smem.at[slot, xi], barrier(slot)
+                x_rows.at[:, pl.ds(kc * MGPU_CHUNK, cfg.block_k)],
+                x_smem.at[slot, xi],
+                barrier(slot),
             )
 
         @pl.when((wg == 0) | ksplit)
@@ -524,7 +432,7 @@ def _stream(
             plgpu.barrier_wait(barrier(slot))
             for c in range(chunks):
                 a = decode(w_smem.at[slot, wg, c], s_smem.at[slot, wg, c])
-                b = x_smem.at[slot, xi, :, pl.ds(c * _CHUNK, _CHUNK)].transpose((1, 0))
+                b = x_smem.at[slot, xi, :, pl.ds(c * MGPU_CHUNK, MGPU_CHUNK)].transpose((1, 0))
                 if a_smem is None:
                     plgpu.wgmma(acc_ref, a, b)
                 else:  # the interpreter's wgmma takes its operands from shared memory
@@ -574,7 +482,7 @@ def _stream(
                 one_step(acc_ref, base + steps - 1)
             return acc_ref[...]  # waits for every MMA
 
-        acc_type = plgpu.ACC((_TILE_N, mpad), jnp.float32)
+        acc_type = plgpu.ACC((MGPU_TILE_N, mpad), jnp.float32)
         if tiles == 1:
             return pl.run_scoped(run, acc_type)
         for t in range(tiles):  # each group's sums, then its rows, while the next group loads
@@ -589,7 +497,7 @@ def _stream(
         if scale is None:
             return acc
         out_scale = plgpu.load(
-            scale.at[pl.ds(col * _TILE_N, _TILE_N)],
+            scale.at[pl.ds(col * MGPU_TILE_N, MGPU_TILE_N)],
             layout=plgpu.Layout.WGMMA.reduce(1),
             optimized=False,  # 64 floats straight from global memory, once per tile
         )
@@ -606,7 +514,7 @@ def _stream(
         TMA copy of all of them where their count is static (the dense form), else one per
         token; waits until the copies have read it (``read_only``) or are done."""
         first, count, at = rows
-        cols = pl.ds(col * _TILE_N, _TILE_N)
+        cols = pl.ds(col * MGPU_TILE_N, MGPU_TILE_N)
 
         @pl.when((wg == 0) | (not ksplit))  # the parts' total: warpgroup 0 writes it
         def _():
@@ -652,7 +560,7 @@ def _stream(
         )
     acc = finish(acc, tile)
     if rows is not None:  # token-major: each valid token's 64 outputs are one TMA row
-        t_smem = plgpu.SMEM((nwg, mpad, _TILE_N), out.dtype)
+        t_smem = plgpu.SMEM((nwg, mpad, MGPU_TILE_N), out.dtype)
         pl.run_scoped(
             lambda t_smem: write_rows(acc, t_smem, tile), t_smem, collective_axes=collective
         )
@@ -663,7 +571,7 @@ def _stream(
         def _():
             o_smem.at[wg][...] = acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(tile * _TILE_N, _TILE_N)])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(tile * MGPU_TILE_N, MGPU_TILE_N)])
             plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, _out_smem(cfg, mpad, out.dtype), collective_axes=collective)
@@ -675,7 +583,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt, tokens):
     *scale_gmem, o_gmem = refs
     tn = lax.axis_index("n")
     sk = lax.axis_index("k")  # 0 when the warpgroups split K
-    rows = cfg.warpgroups * _TILE_N
+    rows = cfg.warpgroups * MGPU_TILE_N
     if tokens is None:
         out, token_rows = o_gmem.at[sk, pl.ds(tn * rows, rows)], None
     else:  # y [tokens, N]: the first `tokens` rows, token-major
@@ -687,7 +595,7 @@ def _dense_kernel(x_gmem, w_gmem, s_gmem, *refs, cfg, steps, mpad, fmt, tokens):
         out,
         cfg=cfg,
         steps=steps,
-        k0=sk * steps * (cfg.block_k // _CHUNK),  # a warpgroup's part: steps later each
+        k0=sk * steps * (cfg.block_k // MGPU_CHUNK),  # a warpgroup's part: steps later each
         mpad=mpad,
         scale_format=fmt,
         scale=scale_gmem[0].at[pl.ds(tn * rows, rows)] if scale_gmem else None,
@@ -718,7 +626,7 @@ def _grouped_kernel(
     offset = lax.rem(first, _ROW_ALIGN)
     row = pl.multiple_of(first - offset, _ROW_ALIGN)  # a tiled TMA window starts on a tile row
     per = cfg.warpgroups * cfg.tiles  # 64-column tiles per program
-    cols = pl.ds(tn * per * _TILE_N, per * _TILE_N)
+    cols = pl.ds(tn * per * MGPU_TILE_N, per * MGPU_TILE_N)
 
     @pl.when(valid_gmem[b] > 0)
     def _():
@@ -748,7 +656,7 @@ def _zero_rows(out, first, nwg: int) -> None:
     (gmem): warpgroup ``wg`` the 64 columns of tiles ``wg``, ``wg + nwg``, ..., one TMA row
     at a time from a zero row in shared memory."""
     wg = lax.axis_index("wg") if nwg > 1 else 0
-    tiles = out.shape[1] // (nwg * _TILE_N)
+    tiles = out.shape[1] // (nwg * MGPU_TILE_N)
 
     def body(z_smem):
         z_smem[...] = jnp.zeros(z_smem.shape, z_smem.dtype)
@@ -758,7 +666,7 @@ def _zero_rows(out, first, nwg: int) -> None:
             for t in range(tiles):
                 plgpu.copy_smem_to_gmem(
                     z_smem.at[wg, pl.ds(0, 1)],
-                    out.at[pl.ds(r, 1), pl.ds((t * nwg + wg) * _TILE_N, _TILE_N)],
+                    out.at[pl.ds(r, 1), pl.ds((t * nwg + wg) * MGPU_TILE_N, MGPU_TILE_N)],
                 )
 
         lax.fori_loop(first, out.shape[0], one, None)
@@ -766,33 +674,35 @@ def _zero_rows(out, first, nwg: int) -> None:
 
     collective = ("wg",) if nwg > 1 else ()
     pl.run_scoped(
-        body, plgpu.SMEM((nwg, _ROW_ALIGN, _TILE_N), out.dtype), collective_axes=collective
+        body, plgpu.SMEM((nwg, _ROW_ALIGN, MGPU_TILE_N), out.dtype), collective_axes=collective
     )
 
 
 def _scratch(cfg: MgpuMatmulConfig, stages: int, mpad: int) -> dict:
-    chunks = cfg.block_k // _CHUNK
+    chunks = cfg.block_k // MGPU_CHUNK
     nwg = _threads(cfg)
     nx = nwg if cfg.split_in == "warpgroups" else 1  # activation buffers: per K part, or shared
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = dict(
         x_smem=plgpu.SMEM((stages, nx, mpad, cfg.block_k), jnp.bfloat16, transforms=swizzle),
         w_smem=plgpu.SMEM((stages, nwg, chunks, 2, 256), jnp.uint32),
-        s_smem=plgpu.SMEM((stages, nwg, chunks, _TILE_N), jnp.uint32),
+        s_smem=plgpu.SMEM((stages, nwg, chunks, MGPU_TILE_N), jnp.uint32),
         bar=plgpu.Barrier(num_arrivals=3, num_barriers=stages * nx),
     )
     if nwg > 1 and nx == 1:
         scratch["consumed"] = plgpu.Barrier(num_arrivals=nwg, num_barriers=stages)
     if cfg.decode == "portable":
-        scratch["a_smem"] = plgpu.SMEM((nwg, _TILE_N, _CHUNK), jnp.bfloat16, transforms=swizzle)
+        scratch["a_smem"] = plgpu.SMEM(
+            (nwg, MGPU_TILE_N, MGPU_CHUNK), jnp.bfloat16, transforms=swizzle
+        )
     if cfg.tiles > 1:  # each group's rows staged beside the pipeline's buffers
-        scratch["t_smem"] = plgpu.SMEM((nwg, mpad, _TILE_N), jnp.bfloat16)
+        scratch["t_smem"] = plgpu.SMEM((nwg, mpad, MGPU_TILE_N), jnp.bfloat16)
     return scratch
 
 
 def _out_smem(cfg: MgpuMatmulConfig, mpad: int, dtype=jnp.float32):
     """The results' staging buffer [W, 64, mpad], allocated after the K loop's buffers."""
-    return plgpu.SMEM((_threads(cfg), _TILE_N, mpad), dtype)
+    return plgpu.SMEM((_threads(cfg), MGPU_TILE_N, mpad), dtype)
 
 
 def dense_partials(
@@ -833,7 +743,7 @@ def dense_partials(
             _dense_kernel, cfg=cfg, steps=steps, mpad=mpad, fmt=w.scale_format, tokens=tokens
         ),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16 if scaled else jnp.float32),
-        grid=(n // (_TILE_N * cfg.warpgroups), parts),
+        grid=(n // (MGPU_TILE_N * cfg.warpgroups), parts),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -879,7 +789,7 @@ def fp4_matmul_mgpu(
     xp = x.astype(jnp.bfloat16)
     if mpad != m:
         xp = jnp.pad(xp, ((0, mpad - m), (0, 0)))
-    if n % (_TILE_N * cfg.warpgroups):
+    if n % (MGPU_TILE_N * cfg.warpgroups):
         raise ValueError(f"fp4_matmul_mgpu: N={n} is not a multiple of {64 * cfg.warpgroups}")
     if cfg.split_k == 1 or cfg.split_in == "warpgroups":  # scaled and rounded in the kernel
         ts = None
@@ -907,7 +817,7 @@ def default_grouped_config(rows: int, experts: int, k: int) -> MgpuMatmulConfig:
     mean = rows / max(experts, 1)
     wide = _round_up(int(mean + 3 * mean**0.5 + 1), _ROW_ALIGN)
     block_m = _ROW_ALIGN if mean <= 4 else min(64, wide)
-    return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else _CHUNK, stages=3, block_m=block_m)
+    return MgpuMatmulConfig(block_k=256 if k % 256 == 0 else MGPU_CHUNK, stages=3, block_m=block_m)
 
 
 def num_row_blocks(rows: int, experts: int, block_m: int) -> int:
@@ -958,7 +868,7 @@ def grouped_partials(
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, cfg=cfg, steps=steps, fmt=w.scale_format, num_blocks=nb),
         out_type=jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),
-        grid=(nb, n // (_TILE_N * cfg.warpgroups * cfg.tiles)),
+        grid=(nb, n // (MGPU_TILE_N * cfg.warpgroups * cfg.tiles)),
         grid_names=("b", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         **threads,
@@ -1001,7 +911,7 @@ def fp4_grouped_matmul_mgpu(
         raise ValueError(f"fp4_grouped_matmul_mgpu: K={k} is not a multiple of {cfg.block_k}")
     bm = cfg.block_m
     steps = k // cfg.block_k
-    if n % (_TILE_N * cfg.warpgroups * cfg.tiles):
+    if n % (MGPU_TILE_N * cfg.warpgroups * cfg.tiles):
         raise ValueError(
             f"fp4_grouped_matmul_mgpu: N={n} is not a multiple of "
             f"{64 * cfg.warpgroups * cfg.tiles} (64 x warpgroups x tiles)"

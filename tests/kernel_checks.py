@@ -29,7 +29,7 @@ def stored_cache(fmt, x):
     """Decode attention: x [B, S, Hkv, D] -> the cache's stored value (the KV site's RTN)."""
     qt = None
     if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
     return kv_cache.to_storage(fmt, x, qt)
 
 

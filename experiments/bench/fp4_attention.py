@@ -38,6 +38,7 @@ import numpy as np
 from experiments.bench.fp4_matmul import HBM_BYTES_PER_S, HBM_LABEL, rel_error, time_op
 from pallas_kernels import fp4_decode_attention as fa
 from pallas_kernels import fp4_decode_attention_mgpu as fm
+from pallas_kernels import fp4_decode_attention_triton as ft
 from trace_jax import fp4
 from trace_jax.rollout import kv_cache
 
@@ -63,7 +64,7 @@ def stored(fmt: str, x: jax.Array) -> kv_cache.Stored:
     """x [B, S, Hkv, D] float32 -> what the cache stores for it (the KV site's RTN codes)."""
     qt = None
     if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
     return kv_cache.to_storage(fmt, x, qt)
 
 
@@ -211,7 +212,7 @@ def time_append(b, s, fmt, log, calls=(8, 40), reps=5, diagnose=False):
     v_buf = stored(fmt, jnp.zeros((b, s, HKV, D), jnp.float32))
     lengths = jax.random.randint(jax.random.key(2), (b,), 0, s - n_max, jnp.int32)
     new = [(kx * (i + 1)).astype(jnp.bfloat16) for i in range(n_max)]
-    site = kv_cache._site_global_scale(fmt)
+    site = kv_cache.site_global_scale(fmt)
     qts = [fp4.quantize(x, fmt, axis=-1, global_scale=site) for x in new]
 
     def append(path, kb, vb, x, qt, n):
@@ -288,7 +289,7 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5, tensor_cores=False):
     """
     (q, k_buf, v_buf, _), *_ = make_case(b, s, fmt, 1, seed=b)
     lengths = jax.random.randint(jax.random.key(2), (b,), s // 2, s - max(calls), jnp.int32)
-    site = kv_cache._site_global_scale(fmt)
+    site = kv_cache.site_global_scale(fmt)
     xs = [
         jax.random.normal(jax.random.key(10 + i), (b, 1, HKV, D), jnp.float32).astype(jnp.bfloat16)
         for i in range(max(calls))
@@ -296,7 +297,7 @@ def time_fused(b, s, fmt, log, calls=(2, 18), reps=5, tensor_cores=False):
     fp4_cache = fmt in ("nvfp4", "mxfp4")
     qts = [fp4.quantize(x, fmt, axis=-1, global_scale=site) if fp4_cache else None for x in xs]
     interp = jax.default_backend() != "gpu"  # plumbing checks on the CPU
-    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2) if interp else None
+    cfg = ft.DecodeAttentionConfig(block_k=16, num_splits=2) if interp else None
 
     kw = dict(config=cfg, tensor_cores=tensor_cores, interpret=interp)
     tag = f"{fmt}{' tensor cores' if tensor_cores else ''}"
@@ -454,7 +455,7 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS, grid=None):
             case = make_case(b, s, fmt, SETS, seed=b)
             res = []
             for g in grid:
-                cfg = dataclasses.replace(fa.default_config(b, s, HKV, fmt), **g)
+                cfg = dataclasses.replace(ft.default_config(b, s, HKV, fmt), **g)
                 try:
                     t = time_op(ours(cfg), case, reps=3, min_s=0.01)
                 except Exception as e:
@@ -470,7 +471,7 @@ def sweep(log, shapes=SHAPES[:1], formats=FORMATS, grid=None):
                     flush=True,
                 )
             t, g = min(res, key=lambda r: r[0])
-            best[(fmt, b, s)] = dataclasses.replace(fa.default_config(b, s, HKV, fmt), **g)
+            best[(fmt, b, s)] = dataclasses.replace(ft.default_config(b, s, HKV, fmt), **g)
             print(f"BEST {fmt} B={b} S={s}: {g} {t * 1e6:.1f} us", flush=True)
             del case
     return best
@@ -504,7 +505,7 @@ def diagnose(log, b=32, s=8192):
     decode (more integer work per code), each checked."""
     case = make_case(b, s, "nvfp4", SETS, seed=b)
     for dequant in ("asm", "portable"):
-        cfg = dataclasses.replace(fa.default_config(b, s, HKV, "nvfp4"), dequant=dequant)
+        cfg = dataclasses.replace(ft.default_config(b, s, HKV, "nvfp4"), dequant=dequant)
         ok = check(f"diagnose {dequant}", ours(cfg), case, log)
         t = time_op(ours(cfg), case, reps=3, min_s=0.01)
         log.append(dict(diagnose=dequant, b=b, s=s, us=t * 1e6, ok=ok))
@@ -515,7 +516,7 @@ def smoke(log):
     """Tiny shapes through the interpreter (CPU): the script's plumbing, not timings."""
     for fmt in FORMATS:
         case = make_case(2, 256, fmt, 1, seed=3)
-        cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=2)
+        cfg = ft.DecodeAttentionConfig(block_k=32, num_splits=2)
         fn = lambda q, k, v, n, cfg=cfg: fa.decode_attention(q, k, v, n, config=cfg, interpret=True)  # noqa: E731
         print(fmt, "ok" if check(f"smoke {fmt}", fn, case, log) else "FAIL", flush=True)
         if fmt in ("nvfp4", "mxfp4"):

@@ -34,10 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import dequant, layouts
+from pallas_kernels import fp4_activation as fact
 from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels import fp4_grouped_matmul_triton as gt
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_gemv as fmv
 from pallas_kernels import fp4_matmul_mgpu as fmm
+from pallas_kernels import fp4_matmul_triton as ft
 from trace_jax import fp4
 
 # Datasheet HBM bandwidth (bytes/s) by device kind; a kind not listed counts as the H200's.
@@ -123,7 +127,7 @@ def make_dense(k, n, fmt, sets, seed=0):
     for s in range(sets):
         w = jax.random.normal(jax.random.key(seed * 100 + s), (k, n), jnp.float32) * 0.02
         qt = fp4.quantize(w, fmt, axis=0)
-        packed.append(jax.block_until_ready(fm.prepack(qt)))
+        packed.append(jax.block_until_ready(layouts.prepack(qt)))
         wb = w.astype(jnp.bfloat16)
         w_bf16.append(wb)
         wt_bf16.append(jnp.asarray(wb.T, copy=True))
@@ -168,8 +172,8 @@ def xla_bf16_best(case: DenseCase, xs) -> float:
 
 
 def bf16_kernel_config(m):
-    bm = max(16, min(64, fm._next_pow2(m)))
-    return fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=bm, num_warps=4, num_stages=4)
+    bm = max(16, min(64, 1 << max(0, (m - 1).bit_length())))
+    return ft.Fp4MatmulConfig(block_n=128, block_k=128, block_m=bm, num_warps=4, num_stages=4)
 
 
 def best_bf16(case: DenseCase, m, log, seed):
@@ -179,7 +183,7 @@ def best_bf16(case: DenseCase, m, log, seed):
     t_ker = float("inf")
     cfg = bf16_kernel_config(m)
     try:
-        kern = lambda x, wt: fm.bf16_matmul(x, wt, config=cfg)  # noqa: E731
+        kern = lambda x, wt: ft.bf16_matmul(x, wt, config=cfg)  # noqa: E731
         if check(
             f"bf16 kernel m={m} k={case.k}",
             kern(xs[0], case.wt_bf16[0]),
@@ -211,7 +215,7 @@ def _bytes_only(c, s, offset, fmt):
     return (c & 15).astype(jnp.bfloat16), (c >> 4).astype(jnp.bfloat16)
 
 
-fm.DEQUANT_TILE["bytes_only"] = _bytes_only
+dequant.DEQUANT_TILE["bytes_only"] = _bytes_only
 
 
 def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label="", linear=False):
@@ -223,7 +227,7 @@ def run_fp4(case: DenseCase, m, log, seed, config=None, w4a4=False, label="", li
     """
     xs = [make_x(m, case.k, seed + i) for i in range(SETS)]
     if w4a4 == "xla":  # the activation quantized and decoded by XLA, then the same matmul
-        fn = lambda x, w: fm.fp4_matmul_w4a4(fm.quantize_activation(x), w, config=config)  # noqa: E731
+        fn = lambda x, w: fm.fp4_matmul_w4a4(fact.quantize_activation(x), w, config=config)  # noqa: E731
         ref = fm.fp4_matmul_w4a4_reference(xs[0], case.packed[0])
     elif w4a4:
         mode = w4a4 if isinstance(w4a4, str) else "before"
@@ -272,10 +276,10 @@ def large_m_paths(case: DenseCase, log, ms, tiles=()):
         ref = fm.fp4_matmul_reference(xs[0], case.packed[0])
         cands = [
             ("kernel", lambda x, w: fm.fp4_matmul(x, w)),
-            ("dequantize + XLA", lambda x, w: fm._xla_linear(x, w, False)),
+            ("dequantize + XLA", lambda x, w: fm.xla_linear(x, w)),
         ]
         for bm, bn, bk, warps in tiles:
-            cfg = fm.Fp4MatmulConfig(
+            cfg = ft.Fp4MatmulConfig(
                 block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3
             )
             cands.append(
@@ -335,7 +339,7 @@ def _sweep_variants(case, m, base, variants, t_bf16, log, rows, w4a4=False):
         desc = {
             f.name: getattr(cfg, f.name)
             for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(fm.Fp4MatmulConfig(), f.name)
+            if getattr(cfg, f.name) != getattr(ft.Fp4MatmulConfig(), f.name)
         }
         rows.append(
             (
@@ -369,7 +373,7 @@ def sweep(log):
             f"[bf16] k=8192 m={m} " + " ".join(f"{a}={b * 1e6:.1f}" for a, b in parts.items()),
             flush=True,
         )
-    base = fm.Fp4MatmulConfig(block_n=128, block_k=256, block_m=16)
+    base = ft.Fp4MatmulConfig(block_n=128, block_k=256, block_m=16)
     stage1 = [
         dict(dequant="bytes_only", x_layout="split"),
         dict(dequant="bytes_only", x_layout="strided"),
@@ -431,9 +435,7 @@ def sweep(log):
         rows,
     )
     xs = [make_x(256, case.k, 3 + i) for i in range(SETS)]
-    t_xla = time_op(
-        lambda x, w: fm._xla_linear(x, w, False), list(zip(xs, case.packed, strict=True))
-    )
+    t_xla = time_op(lambda x, w: fm.xla_linear(x, w), list(zip(xs, case.packed, strict=True)))
     rows.append(
         (
             "nvfp4 xla fallback",
@@ -484,7 +486,7 @@ t_bf16_cache: dict = {}  # (K, M) -> best BF16 seconds, shared by both formats
 
 def tune(log):
     """Short tiling search (NVFP4, both dense shapes); returns {(K, M): best config}."""
-    base = fm.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, split_k=2)
+    base = ft.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, split_k=2)
     v16 = [
         {},
         dict(num_stages=3),
@@ -522,7 +524,7 @@ def tune(log):
 def with_gemv_layout(case: DenseCase, block_k: int, block_n: int) -> DenseCase:
     """The same weights with the one-token layout packed for ``block_k`` and row tile
     ``block_n`` (0: rows in order)."""
-    packed = [fmv.with_gemv_layout(p, block_k, block_n) for p in case.packed]
+    packed = [layouts.with_gemv_layout(p, block_k, block_n) for p in case.packed]
     return dataclasses.replace(case, packed=jax.block_until_ready(packed))
 
 
@@ -593,7 +595,7 @@ def gemv(log, variants=GEMV_VARIANTS):
             tb = t_bf16_cache[(k, 1)]
             _, best_cfg, best_tiled = best[k]
             for name, c in (
-                ("GEMV form (mma=False)", fm.gemv_config(k, n)),
+                ("GEMV form (mma=False)", ft.gemv_config(k, n)),
                 ("one-token kernel, sweep best", best_cfg),
                 ("fp4_matmul default (dispatch)", None),
             ):
@@ -724,7 +726,9 @@ def grouped_rows(log, configs=(None,), mgpu_configs=(), linear=False):
             w = jax.random.normal(jax.random.key(50 + s), (EXPERTS, k, n), jnp.float32) * 0.02
             packed.append(
                 jax.block_until_ready(
-                    gm.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1), mgpu=bool(mgpu_configs))
+                    layouts.prepack_grouped(
+                        fp4.quantize(w, "nvfp4", axis=1), mgpu=bool(mgpu_configs)
+                    )
                 )
             )
             wb.append(w.astype(jnp.bfloat16))
@@ -751,7 +755,7 @@ def grouped_rows(log, configs=(None,), mgpu_configs=(), linear=False):
                 elif use_mgpu:
                     fn = lambda x, w, g, c=cfg: fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, g, c)  # noqa: E731
                 else:
-                    fn = lambda x, w, g, c=cfg: gm.fp4_grouped_matmul(x, w, g, config=c)  # noqa: E731
+                    fn = lambda x, w, g, c=cfg: gt.fp4_grouped_matmul_triton(x, w, g, config=c)  # noqa: E731
                 try:
                     ok = check(
                         f"grouped k={k} tokens={tokens}",
@@ -796,7 +800,7 @@ def mgpu(
     (and the Triton kernel's default where ``triton``)."""
     qt = fp4.quantize(jax.random.normal(jax.random.key(3), (256, 256)) * 0.05, fmt, axis=0)
     eye = jnp.eye(256, dtype=jnp.bfloat16)
-    y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), fmm.MgpuMatmulConfig(block_k=128))
+    y = fmm.fp4_matmul_mgpu(eye, layouts.prepack_mgpu(qt), fmm.MgpuMatmulConfig(block_k=128))
     exact = bool(
         np.array_equal(np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16)))
     )
@@ -807,13 +811,13 @@ def mgpu(
         case = make_dense(k, n, fmt, SETS, seed=1)
         # prepack made the layout where it is on by default (NVFP4); the dispatch row is then
         # this kernel at its default, so the variants skip it
-        mw = [p.mgpu or jax.block_until_ready(fmm.prepack_mgpu(p.qtensor)) for p in case.packed]
+        mw = [p.mgpu or jax.block_until_ready(layouts.prepack_mgpu(p.qtensor)) for p in case.packed]
         todo = [v for v in variants if v is not None or case.packed[0].mgpu is None]
         for m in ms:
             tb = best_bf16(case, m, log, seed=5)[0]
             routes = [("fp4_matmul (dispatch)", None)]
             if triton:
-                routes.append(("Triton kernel, default_config", fm.default_config(m, k, n)))
+                routes.append(("Triton kernel, default_config", ft.default_config(m, k, n)))
             for name, c in routes:
                 t = run_fp4(case, m, log, seed=9, config=c, label=name)
                 print(f"  {name} k={k} m={m}: {t * 1e6:.1f} us, bf16 {tb * 1e6:.1f} us", flush=True)
@@ -903,7 +907,7 @@ def grouped_bounds(log, token_counts=(16, 64), variants=()):
         for s in range(SETS):
             w = jax.random.normal(jax.random.key(50 + s), (EXPERTS, k, n), jnp.float32) * 0.02
             qt = fp4.quantize(w, "nvfp4", axis=1)
-            packed.append(jax.block_until_ready(gm.prepack_grouped(qt, mgpu=True)))
+            packed.append(jax.block_until_ready(layouts.prepack_grouped(qt, mgpu=True)))
             wb.append(w.astype(jnp.bfloat16))
             del w
         for tokens in token_counts:
@@ -993,7 +997,7 @@ def moe_layer(log, token_counts=(16, 64)):
             w = jax.random.normal(jax.random.key(seed + s), (EXPERTS, k, n), jnp.float32) * 0.02
             qt = fp4.quantize(w, "nvfp4", axis=1)
             pair += [
-                jax.block_until_ready(gm.prepack_grouped(qt, mgpu=True)),
+                jax.block_until_ready(layouts.prepack_grouped(qt, mgpu=True)),
                 w.astype(jnp.bfloat16),
             ]
             del w
@@ -1142,7 +1146,7 @@ def smoke(log):
         w = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
         qt = fp4.quantize(w, fmt, axis=0)
         x = make_x(4, 256, 1)
-        cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+        cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
         check(
             f"smoke {fmt}",
             fm.fp4_matmul(x, qt, config=cfg, interpret=True),
@@ -1151,7 +1155,7 @@ def smoke(log):
         )
         check(
             f"smoke one-token {fmt}",
-            fm.fp4_matmul(x[:1], fm.prepack(qt), interpret=True),
+            fm.fp4_matmul(x[:1], layouts.prepack(qt), interpret=True),
             fm.fp4_matmul_reference(x[:1], qt),
             log,
         )
@@ -1257,7 +1261,7 @@ def main(argv=None):
     if args.sweep:
         sweep(log)
     elif args.grouped_sweep:
-        base = fm.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, num_stages=3)
+        base = ft.Fp4MatmulConfig(block_n=64, block_k=128, block_m=16, num_stages=3)
         cfgs = [base] + [
             dataclasses.replace(base, **v)
             for v in (

@@ -55,10 +55,11 @@ def run_case(name: str) -> None:
 
     from experiments.bench import fp4_attention as bench
     from pallas_kernels import fp4_decode_attention as fa
+    from pallas_kernels import fp4_decode_attention_triton as ft
 
     fmt, bk, splits, warps, stages = CASES[name]
     q, k, v, n = bench.make_case(32, 8192, fmt, 1, seed=1)[0]
-    cfg = fa.DecodeAttentionConfig(
+    cfg = ft.DecodeAttentionConfig(
         block_k=bk, num_splits=splits, num_warps=warps, num_stages=stages
     )
     jax.block_until_ready(fa.decode_attention(q, k, v, n, config=cfg))
@@ -101,27 +102,29 @@ def run_matmul_cases() -> None:
 
     from pallas_kernels import fp4_matmul as fm
     from pallas_kernels import fp4_matmul_gemv as fmv
+    from pallas_kernels import fp4_matmul_triton as ft
+    from pallas_kernels import layouts
     from trace_jax import fp4
 
     k, n = 8192, 28672
     w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
-    pw = jax.block_until_ready(fm.prepack(fp4.quantize(w, "nvfp4", axis=0)))
+    pw = jax.block_until_ready(layouts.prepack(fp4.quantize(w, "nvfp4", axis=0)))
     wt = jax.block_until_ready(jnp.asarray(w.T, jnp.bfloat16))
     del w
     x1 = jax.random.normal(jax.random.key(1), (1, k), jnp.float32).astype(jnp.bfloat16)
     x16 = jax.random.normal(jax.random.key(2), (16, k), jnp.float32).astype(jnp.bfloat16)
-    bf16_cfg = fm.Fp4MatmulConfig(block_n=128, block_k=128, block_m=16)
+    bf16_cfg = ft.Fp4MatmulConfig(block_n=128, block_k=128, block_m=16)
     # The one-token kernel at the configuration given on the command line (JSON of
     # Fp4GemvConfig fields plus "tiled"), else the default of prepack.
     spec = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     tiled = spec.pop("tiled", True)
     cfg = fmv.Fp4GemvConfig(**spec) if spec else fmv.default_gemv_config(k, n)
-    pw_one = fmv.with_gemv_layout(pw, cfg.block_k, cfg.block_n if tiled else 0)
+    pw_one = layouts.with_gemv_layout(pw, cfg.block_k, cfg.block_n if tiled else 0)
     for name, fn in (
-        ("gemv form (mma=False)", lambda: fm.fp4_matmul(x1, pw, config=fm.gemv_config(k, n))),
+        ("gemv form (mma=False)", lambda: fm.fp4_matmul(x1, pw, config=ft.gemv_config(k, n))),
         (f"one-token kernel {cfg} tiled={tiled}", lambda: fm.fp4_matmul(x1, pw_one, config=cfg)),
         ("mma kernel m=16", lambda: fm.fp4_matmul(x16, pw)),
-        ("bf16 kernel m=16", lambda: fm.bf16_matmul(x16, wt, config=bf16_cfg)),
+        ("bf16 kernel m=16", lambda: ft.bf16_matmul(x16, wt, config=bf16_cfg)),
     ):
         print(f"CASE {name}", flush=True)
         jax.block_until_ready(fn())
@@ -212,6 +215,7 @@ def run_attention_configs() -> None:
     from experiments.bench import fp4_attention as bench
     from pallas_kernels import fp4_decode_attention as fa
     from pallas_kernels import fp4_decode_attention_mgpu as fm
+    from pallas_kernels import fp4_decode_attention_triton as ft
 
     q, k, v, n = bench.make_case(32, 8192, "nvfp4", 1, seed=1)[0]
     for spec in json.loads(sys.argv[2]):
@@ -221,7 +225,7 @@ def run_attention_configs() -> None:
             cfg = dataclasses.replace(fm.default_config(32, 8192, k.shape[2]), **spec)
             jax.block_until_ready(fm.decode_attention_mgpu(q, k, v, n, config=cfg))
             continue
-        cfg = fa.DecodeAttentionConfig(**spec) if spec else None
+        cfg = ft.DecodeAttentionConfig(**spec) if spec else None
         jax.block_until_ready(fa.decode_attention(q, k, v, n, config=cfg))
 
 

@@ -45,8 +45,9 @@ def triton_ir(fmt: str = "nvfp4", overrides: dict | None = None) -> tuple[str, d
     from experiments.bench import fp4_attention as bench
     from pallas_kernels import cuda_lowering
     from pallas_kernels import fp4_decode_attention as fda
+    from pallas_kernels import fp4_decode_attention_triton as ft
 
-    cfg = dataclasses.replace(fda.default_config(*BENCH_SHAPE, fmt), **(overrides or {}))
+    cfg = dataclasses.replace(ft.default_config(*BENCH_SHAPE, fmt), **(overrides or {}))
     q, k, v, lengths = bench.make_case(2, 2 * cfg.block_k * cfg.num_splits, fmt, 1, 0)[0]
     captured = cuda_lowering.triton_modules(
         lambda q, k, v, n: fda.decode_attention(q, k, v, n, config=cfg), q, k, v, lengths
@@ -114,13 +115,7 @@ def inline_ptx_blocks() -> dict[str, tuple[str, int, int]]:
     from pallas_kernels import fp4_decode_attention_mgpu as attn
     from pallas_kernels import fp4_matmul_mgpu as matmul
 
-    blocks = {
-        "attention code word": (attn._WORD_ASM, 4, 2),
-        "attention mxfp4 scales": (attn._MX_SCALE_ASM, 2, 2),
-    }
-    for fmt in ("e4m3", "e8m0"):
-        blocks[f"matmul code word ({fmt})"] = (matmul._asm_word(0, fmt), 4, 3)
-    return blocks
+    return {**attn.inline_ptx(), **matmul.inline_ptx()}
 
 
 def ptx_entry(name: str, asm: str, n_out: int, n_in: int) -> str:

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from experiments.bench import offline_sass
-from pallas_kernels import fp4_decode_attention as fda
+from pallas_kernels import fp4_decode_attention_triton as fda
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

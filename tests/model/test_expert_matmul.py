@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels import fp4_grouped_matmul_triton as gt
+from pallas_kernels import layouts
 from trace_jax import fp4
 from trace_jax.model import layers
 
@@ -32,7 +34,7 @@ def _case(k, n, fmt, seed=0):
 
 def test_per_expert_qtensor_prepacks_to_the_same_weights():
     _, qt = _case(64, 32, "nvfp4")
-    pw = gm.prepack_grouped(qt)
+    pw = layouts.prepack_grouped(qt)
     assert pw.shape == (4, 64, 32) and pw.qtensor.axis == 1
     np.testing.assert_array_equal(
         np.asarray(fp4.dequantize(pw.qtensor)), np.asarray(fp4.dequantize(qt))
@@ -42,12 +44,12 @@ def test_per_expert_qtensor_prepacks_to_the_same_weights():
 @pytest.mark.parametrize("fmt, k, n", [("nvfp4", 64, 32), ("nvfp4", 32, 64), ("mxfp4", 64, 32)])
 def test_prepacked_weight_runs_the_kernel_and_matches_the_qtensor_path(fmt, k, n):
     x, qt = _case(k, n, fmt)
-    pw = gm.prepack_grouped(qt)
+    pw = layouts.prepack_grouped(qt)
     y = layers.expert_matmul(x, pw, SIZES)
     assert y.dtype == jnp.bfloat16
     # the kernel (interpreted here), with the dispatcher's tiling
-    cfg = gm.grouped_config(x.shape[0], 4, k, n, pw.fmt)
-    kernel = gm.fp4_grouped_matmul(x, pw, SIZES, config=cfg, interpret=True)
+    cfg = gt.grouped_config(x.shape[0], 4, k, n, pw.fmt)
+    kernel = gt.fp4_grouped_matmul_triton(x, pw, SIZES, config=cfg, interpret=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(kernel))
     # vs float32 ragged_dot on the exact weights: one bf16 rounding of the output
     ref = gm.fp4_grouped_matmul_reference(x, qt if fmt == "mxfp4" else pw, SIZES)
@@ -68,12 +70,12 @@ def test_kernel_does_not_apply_falls_back_to_the_xla_path_bit_for_bit():
         (_case(64, 32, "nvfp4")[0].astype(jnp.float32), _case(64, 32, "nvfp4")[1]),
         _case(32, 64, "mxfp4"),
     ]:
-        pw = gm.prepack_grouped(qt)
+        pw = layouts.prepack_grouped(qt)
         np.testing.assert_array_equal(
             np.asarray(layers.expert_matmul(x, pw, SIZES)),
             np.asarray(layers.expert_matmul(x, qt, SIZES)),
         )
-    assert gm.grouped_config(13, 4, 32, 64, fp4.MXFP4) is None
+    assert gt.grouped_config(13, 4, 32, 64, fp4.MXFP4) is None
 
 
 def test_array_weights_are_plain_ragged_dot():

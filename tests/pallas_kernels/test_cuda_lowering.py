@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import cuda_lowering
+from pallas_kernels import cuda_lowering, layouts
 from pallas_kernels import fp4_decode_attention as fa
-from pallas_kernels import fp4_grouped_matmul as gm
+from pallas_kernels import fp4_decode_attention_triton as ft
+from pallas_kernels import fp4_grouped_matmul_triton as gt
 from pallas_kernels import fp4_matmul as fm
+from pallas_kernels import fp4_matmul_triton as fmt
 from trace_jax import fp4
 from trace_jax.rollout import kv_cache
 
@@ -22,7 +24,7 @@ def _cache(fmt, seed):
     x = jax.random.normal(jax.random.key(seed), (B, S, HKV, D))
     qt = None
     if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
     return kv_cache.to_storage(fmt, x, qt)
 
 
@@ -39,7 +41,7 @@ def test_decode_attention_lowers(fmt, heads):
     q = jax.random.normal(jax.random.key(0), (B, HQ, D)).astype(jnp.bfloat16)
     k, v = _cache(fmt, 1), _cache(fmt, 2)
     lengths = jnp.array([1, S], jnp.int32)
-    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2, heads_per_program=heads)
+    cfg = ft.DecodeAttentionConfig(block_k=16, num_splits=2, heads_per_program=heads)
     ir = _one_kernel(
         lambda q, k, v, n: fa.decode_attention(q, k, v, n, config=cfg), q, k, v, lengths
     )
@@ -65,18 +67,20 @@ def _dense(k=512, n=256):
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_fp4_matmul_triton_lowers(m):
     qt = _dense()
-    w = fm.prepack(qt, mgpu=False, gemv=m == 1)  # m = 1: the one-token kernel
+    w = layouts.prepack(qt, mgpu=False, gemv=m == 1)  # m = 1: the one-token kernel
     x = jnp.zeros((m, 512), jnp.bfloat16)
-    cfg = None if m == 1 else fm.default_config(m, 512, 256)
+    cfg = None if m == 1 else fmt.default_config(m, 512, 256)
     ir = _one_kernel(lambda x, w: fm.fp4_matmul(x, w, config=cfg), x, w)
     assert "inline_asm" in ir
 
 
 def test_w4a4_kernel_decode_and_grouped_lower():
     x = jnp.zeros((16, 512), jnp.bfloat16)
-    w = fm.prepack(_dense(), mgpu=False)
+    w = layouts.prepack(_dense(), mgpu=False)
     _one_kernel(lambda x, w: fm.fp4_matmul_w4a4(x, w, activation_dequant="kernel"), x, w)
     experts = fp4.quantize(jax.random.normal(jax.random.key(6), (4, 512, 256)), "nvfp4", axis=1)
-    wg = gm.prepack_grouped(experts, mgpu=False)
+    wg = layouts.prepack_grouped(experts, mgpu=False)
     sizes = jnp.array([3, 0, 12, 9], jnp.int32)
-    _one_kernel(lambda x, w, g: gm.fp4_grouped_matmul(x, w, g), jnp.zeros((24, 512)), wg, sizes)
+    _one_kernel(
+        lambda x, w, g: gt.fp4_grouped_matmul_triton(x, w, g), jnp.zeros((24, 512)), wg, sizes
+    )

@@ -13,11 +13,13 @@ import pytest
 
 from pallas_kernels import fp4_decode_attention as fa
 from pallas_kernels import fp4_decode_attention_mgpu as tc
+from pallas_kernels import fp4_decode_attention_triton as ft
+from pallas_kernels import kv_layout
 from trace_jax import fp4
 from trace_jax.rollout import kv_cache
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
-SMALL = fa.DecodeAttentionConfig(block_k=16, num_splits=2)
+SMALL = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
 
 
 # heads_per_program 2: both KV heads' query groups share a program's rows, each row masked to its
@@ -69,7 +71,7 @@ def test_gqa_ratios(hq, hkv):
     b, s, d = 2, 64, 32
     q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=hq)
     lengths = jnp.array([s, 23], jnp.int32)
-    cfg = fa.DecodeAttentionConfig(block_k=32, num_splits=1)
+    cfg = ft.DecodeAttentionConfig(block_k=32, num_splits=1)
     y = fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True)
     kc.assert_attn_close(y, fa.decode_attention_reference(q, k, v, lengths))
 
@@ -81,8 +83,8 @@ def test_splits_and_steps_agree():
     lengths = jnp.array([20, s], jnp.int32)
     ref = fa.decode_attention_reference(q, k, v, lengths, sm_scale=0.3)
     for cfg in (
-        fa.DecodeAttentionConfig(block_k=16, num_splits=8),
-        fa.DecodeAttentionConfig(block_k=32, num_splits=1),
+        ft.DecodeAttentionConfig(block_k=16, num_splits=8),
+        ft.DecodeAttentionConfig(block_k=32, num_splits=1),
     ):
         y = fa.decode_attention(q, k, v, lengths, sm_scale=0.3, config=cfg, interpret=True)
         kc.assert_attn_close(y, ref)
@@ -95,11 +97,11 @@ def test_fp4_tiles_hold_d_positions_4m_plus_t(fmt):
     # cache's own dequantization: tile t, column m is D position 4m + t, for every code value.
     s, d = 64, 128
     _, k, _ = kc.attn_inputs(fmt, 1, s, 1, 1, d, seed=9)
-    codes, scales, g = (a[0, :, 0] for a in fa._operands(k))
-    words = fa._codes_u16(codes)
-    np.testing.assert_array_equal(np.asarray(fa._codes_u8(words)), np.asarray(codes))
-    cfg = fa.DecodeAttentionConfig(dequant="portable")
-    parts, col = fa._decode_tile([words, scales, g], cfg, fmt)
+    codes, scales, g = (a[0, :, 0] for a in kv_layout.operands(k))
+    words = ft._codes_u16(codes)
+    np.testing.assert_array_equal(np.asarray(ft._codes_u8(words)), np.asarray(codes))
+    cfg = ft.DecodeAttentionConfig(dequant="portable")
+    parts, col = ft._decode_tile([words, scales, g], cfg, fmt)
     assert len(parts) == 4 and parts[0].shape == (s, d // 4) and parts[0].dtype == jnp.bfloat16
     got = jnp.stack([p.astype(jnp.float32) for p in parts], axis=-1).reshape(s, d) * col[:, None]
     want = kv_cache.read(k, jnp.float32)[0, :, 0]
@@ -154,7 +156,7 @@ def test_kv_append_equals_cache_write(fmt, kernel):
     valid = jnp.array([[True], [True], [True]])
     qt = None
     if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache._site_global_scale(fmt))
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
     expect = kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
     append = functools.partial(fa.kv_append, kernel=kernel, interpret=kernel)
     got = append(jax.tree.map(jnp.copy, buf), x, lengths)
@@ -265,8 +267,8 @@ def test_gpu_window_and_small_tiles(fmt):
         lo = jnp.maximum(lengths - (window or s), 0)
         ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
         kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
-        two = fa.DecodeAttentionConfig(block_k=16, num_splits=4, num_warps=2, heads_per_program=2)
-        for cfg in (None, fa.DecodeAttentionConfig(block_k=32, num_splits=4), two):
+        two = ft.DecodeAttentionConfig(block_k=16, num_splits=4, num_warps=2, heads_per_program=2)
+        for cfg in (None, ft.DecodeAttentionConfig(block_k=32, num_splits=4), two):
             y = fa.decode_attention(q, kp, vp, lengths, window=window, config=cfg)
             kc.assert_attn_close(y, ref)
         if fmt in ("nvfp4", "mxfp4"):  # the tensor-core kernel, default and other tilings

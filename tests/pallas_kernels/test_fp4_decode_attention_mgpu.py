@@ -16,6 +16,7 @@ import pytest
 from pallas_kernels import cuda_lowering
 from pallas_kernels import fp4_decode_attention as fa
 from pallas_kernels import fp4_decode_attention_mgpu as fm
+from pallas_kernels import fp4_decode_attention_triton as ft
 from trace_jax.rollout import kv_cache
 
 CFG = fm.MgpuAttentionConfig(num_splits=2)
@@ -98,7 +99,7 @@ def test_more_exact_than_the_triton_kernel():
     q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=9)
     lengths = jnp.array([97, 128, 1, 5], jnp.int32)
     ref = np.asarray(_reference_f32(q, k, v, lengths))
-    cfg = fa.DecodeAttentionConfig(block_k=16, num_splits=2)
+    cfg = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
     triton = np.asarray(fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True))
     y = np.asarray(_run(q, k, v, lengths), np.float32)
     err = lambda out: np.linalg.norm(out.astype(np.float32) - ref)  # noqa: E731

@@ -8,7 +8,9 @@ import pytest
 from kernel_checks import assert_close
 
 from pallas_kernels import fp4_grouped_matmul as gm
-from pallas_kernels.fp4_matmul import Fp4MatmulConfig
+from pallas_kernels import fp4_grouped_matmul_triton as gt
+from pallas_kernels import layouts
+from pallas_kernels.fp4_matmul_triton import Fp4MatmulConfig
 from trace_jax import fp4
 
 CFG = Fp4MatmulConfig(block_n=64, block_k=128, block_m=16)
@@ -34,13 +36,13 @@ def _case(sizes, k, n, fmt, seed, extra_rows=0):
 )
 def test_matches_ragged_dot(fmt, sizes):
     x, qt, gs = _case(sizes, 256, 128, fmt, seed=sum(sizes))
-    y = gm.fp4_grouped_matmul(x, qt, gs, config=CFG, interpret=True)
+    y = gt.fp4_grouped_matmul_triton(x, qt, gs, config=CFG, interpret=True)
     assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
 
 
 def test_rows_past_the_groups_are_zero():
     x, qt, gs = _case([3, 4], 128, 64, "nvfp4", seed=3, extra_rows=5)
-    y = np.asarray(gm.fp4_grouped_matmul(x, qt, gs, config=CFG, interpret=True), np.float32)
+    y = np.asarray(gt.fp4_grouped_matmul_triton(x, qt, gs, config=CFG, interpret=True), np.float32)
     assert np.all(y[7:] == 0)
     assert_close(y[:7], gm.fp4_grouped_matmul_reference(x, qt, gs)[:7])
 
@@ -52,7 +54,9 @@ def test_each_expert_uses_its_own_weights():
     w = jax.random.normal(jax.random.key(1), (2, k, n), jnp.float32)
     qt = fp4.quantize(w, "nvfp4", axis=1)
     y = np.asarray(
-        gm.fp4_grouped_matmul(x, qt, jnp.array([1, 1], jnp.int32), config=CFG, interpret=True),
+        gt.fp4_grouped_matmul_triton(
+            x, qt, jnp.array([1, 1], jnp.int32), config=CFG, interpret=True
+        ),
         np.float32,
     )
     wd = np.asarray(fp4.dequantize(qt, jnp.float32))
@@ -65,7 +69,7 @@ def test_each_expert_uses_its_own_weights():
 def test_rejects_wrong_weight_layout():
     qt = fp4.quantize(jnp.ones((2, 64, 32)), "nvfp4", axis=2)
     with pytest.raises(ValueError, match="axis 1"):
-        gm.prepack_grouped(qt)
+        layouts.prepack_grouped(qt)
 
 
 @pytest.mark.gpu
@@ -78,5 +82,7 @@ def test_gpu_benchmark_shapes(k, n, tokens):
     gs = jnp.asarray(np.bincount(picks.ravel(), minlength=experts), jnp.int32)
     x = jax.random.normal(jax.random.key(tokens), (tokens * top_k, k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(k), (experts, k, n), jnp.float32) * 0.02
-    qt = gm.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1))
-    assert_close(gm.fp4_grouped_matmul(x, qt, gs), gm.fp4_grouped_matmul_reference(x, qt, gs))
+    qt = layouts.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1))
+    assert_close(
+        gt.fp4_grouped_matmul_triton(x, qt, gs), gm.fp4_grouped_matmul_reference(x, qt, gs)
+    )

@@ -11,6 +11,8 @@ from kernel_checks import assert_close, random_x
 
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_gemv as fmv
+from pallas_kernels import fp4_matmul_triton as ft
+from pallas_kernels import layouts
 from trace_jax import fp4
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -28,7 +30,7 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
     k, n = 128, 64
     qt = _weights(k, n, fmt, seed=1)
     eye = jnp.eye(k, dtype=jnp.bfloat16)
-    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=64, block_m=64)
+    cfg = ft.Fp4MatmulConfig(block_n=64, block_k=64, block_m=64)
     y = fm.fp4_matmul(eye, qt, config=cfg, interpret=True)
     expected = fp4.dequantize(qt, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
@@ -40,12 +42,12 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
 @pytest.mark.parametrize(
     ("m", "k", "n", "cfg"),
     [
-        (1, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=128)),
-        (5, 512, 128, fm.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
-        (16, 256, 128, fm.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
-        (40, 128, 64, fm.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
-        (1, 512, 64, fm.Fp4MatmulConfig(block_n=32, block_k=128, block_m=1, mma=False)),
-        (3, 256, 64, fm.Fp4MatmulConfig(block_n=64, block_k=64, block_m=1, mma=False, split_k=2)),
+        (1, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=128)),
+        (5, 512, 128, ft.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
+        (16, 256, 128, ft.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
+        (40, 128, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
+        (1, 512, 64, ft.Fp4MatmulConfig(block_n=32, block_k=128, block_m=1, mma=False)),
+        (3, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, block_m=1, mma=False, split_k=2)),
     ],
 )
 def test_matches_reference(fmt, m, k, n, cfg):
@@ -62,7 +64,7 @@ def test_w4a4_matches_reference(fmt, mode):
     qt = _weights(k, n, fmt, seed=3)
     x = random_x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
     x = x.at[2].multiply(50)
-    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = fm.fp4_matmul_w4a4(x, qt, config=cfg, interpret=True, activation_dequant=mode)
     ref = fm.fp4_matmul_w4a4_reference(x, qt)
     assert_close(y, ref)
@@ -77,7 +79,7 @@ def test_nan_block_scale_poisons_its_column_mxfp4():
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[9, 2].set(0xFF))
     ref = np.asarray(fm.fp4_matmul_reference(random_x(3, 128, 6), qt), np.float32)
     assert np.all(np.isnan(ref[:, 9]))
-    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = np.asarray(fm.fp4_matmul(random_x(3, 128, 6), qt, config=cfg, interpret=True), np.float32)
     assert np.all(np.isnan(y[:, 9]))
     assert np.all(np.isfinite(np.delete(y, 9, axis=1)))
@@ -86,7 +88,7 @@ def test_nan_block_scale_poisons_its_column_mxfp4():
 def test_nan_global_scale_poisons_everything_nvfp4():
     qt = _weights(128, 64, "nvfp4", seed=5)
     qt = dataclasses.replace(qt, global_scale=jnp.float32(jnp.nan))
-    cfg = fm.Fp4MatmulConfig(block_n=64, block_k=128)
+    cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = fm.fp4_matmul(random_x(2, 128, 1), qt, config=cfg, interpret=True)
     assert np.all(np.isnan(np.asarray(y, np.float32)))
 
@@ -94,19 +96,19 @@ def test_nan_global_scale_poisons_everything_nvfp4():
 def test_prepack_rejects_wrong_axis_and_rank():
     w = jnp.ones((64, 32), jnp.float32)
     with pytest.raises(ValueError, match="axis 0"):
-        fm.prepack(fp4.quantize(w, "nvfp4", axis=1))
+        layouts.prepack(fp4.quantize(w, "nvfp4", axis=1))
     with pytest.raises(ValueError, match="2-D"):
-        fm.prepack(fp4.quantize(jnp.ones((2, 64, 32)), "nvfp4", axis=1))
+        layouts.prepack(fp4.quantize(jnp.ones((2, 64, 32)), "nvfp4", axis=1))
 
 
 def test_config_validation():
     with pytest.raises(ValueError, match="power of two"):
-        fm.Fp4MatmulConfig(block_n=48)
+        ft.Fp4MatmulConfig(block_n=48)
     with pytest.raises(ValueError, match="dequant"):
-        fm.Fp4MatmulConfig(dequant="lut")
+        ft.Fp4MatmulConfig(dequant="lut")
     qt = _weights(256, 64, "nvfp4", seed=0)
     with pytest.raises(ValueError, match="multiple of block_k"):
-        cfg = fm.Fp4MatmulConfig(block_n=64, block_k=512)
+        cfg = ft.Fp4MatmulConfig(block_n=64, block_k=512)
         fm.fp4_matmul(random_x(1, 256, 0), qt, config=cfg, interpret=True)
 
 
@@ -115,7 +117,7 @@ def test_config_validation():
     [(1, 8192, 28672), (16, 4096, 14336), (64, 8192, 28672), (256, 768, 2048), (3, 2048, 1536)],
 )
 def test_default_config_tiles_the_shape(m, k, n):
-    cfg = fm.default_config(m, k, n)
+    cfg = ft.default_config(m, k, n)
     assert n % cfg.block_n == 0
     assert k % (cfg.block_k * cfg.split_k) == 0
     assert cfg.block_m >= min(m, 64)
@@ -141,8 +143,8 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     k, n = 512, 24
     qt = _weights(k, n, fmt, seed=11)
     spec = fp4.get_format(fmt)
-    w = fm.prepack(qt)
-    words = fmv.pack_gemv_words(w.codes, spec, block_k)
+    w = layouts.prepack(qt)
+    words = layouts.pack_gemv_words(w.codes, spec, block_k)
     assert words.shape == (n, k // 8) and words.dtype == jnp.uint32
     got = fmv.decode_reference(words, w.scales, spec, block_k)
     g = qt.global_scale if spec.scale_format == "e4m3" else 1.0
@@ -151,7 +153,7 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     codes = np.asarray(fp4.unpacked_codes(qt)).ravel()
     assert set(np.unique(codes)) >= set(range(16)) - {8}
     # the row-tiled layout is the same words, each (8-row tile, step) made contiguous
-    tiled = fmv.with_gemv_layout(w, block_k, block_n=8)
+    tiled = layouts.with_gemv_layout(w, block_k, block_n=8)
     back = tiled.gemv_words.reshape(n // 8, k // block_k, 8, block_k // 8).transpose(0, 2, 1, 3)
     np.testing.assert_array_equal(np.asarray(back).reshape(n, k // 8), np.asarray(words))
     nb = block_k // spec.block_size
@@ -172,10 +174,10 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
 def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
     qt = _weights(k, n, fmt, seed=12)
-    w = fm.prepack(qt, mgpu=False)
+    w = layouts.prepack(qt, mgpu=False)
     assert (w.gemv_words is not None) == (fmt == "nvfp4")  # MXFP4 keeps the GEMV form
     if cfg is not None:
-        w = fmv.with_gemv_layout(w, cfg.block_k, layout_n)
+        w = layouts.with_gemv_layout(w, cfg.block_k, layout_n)
     x = random_x(1, k, seed=13)
     y = fm.fp4_matmul(x, w, config=cfg, interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
@@ -185,7 +187,7 @@ def test_gemv_nan_propagates():
     # a NaN block scale (MXFP4) poisons its column; a NaN activation poisons every column
     qt = _weights(512, 32, "mxfp4", seed=14)
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
-    w = fmv.with_gemv_layout(fm.prepack(qt), block_n=32)  # prepack packs NVFP4 only
+    w = layouts.with_gemv_layout(layouts.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     x = random_x(1, 512, seed=15)
     y = np.asarray(fm.fp4_matmul(x, w, interpret=True), np.float32)
     assert np.isnan(y[0, 5]) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
@@ -194,7 +196,7 @@ def test_gemv_nan_propagates():
 
 
 def test_gemv_layout_mismatch_and_config_rejected():
-    w = fm.prepack(_weights(512, 32, "nvfp4", seed=16))
+    w = layouts.prepack(_weights(512, 32, "nvfp4", seed=16))
     with pytest.raises(ValueError, match="packed with block_k"):
         fm.fp4_matmul(random_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
     with pytest.raises(ValueError, match="packed with block_n"):
@@ -202,7 +204,7 @@ def test_gemv_layout_mismatch_and_config_rejected():
         fm.fp4_matmul(random_x(1, 512, 0), w, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         fmv.Fp4GemvConfig(block_n=24)
-    assert fm.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
+    assert layouts.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -213,7 +215,7 @@ def test_gemv_layout_mismatch_and_config_rejected():
 @pytest.mark.parametrize(("k", "n"), [(8192, 28672), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_benchmark_shapes(fmt, k, n, m):
-    qt = fm.prepack(_weights(k, n, fmt, seed=k + m, scale=0.02))
+    qt = layouts.prepack(_weights(k, n, fmt, seed=k + m, scale=0.02))
     x = random_x(m, k, seed=m)
     assert_close(fm.fp4_matmul(x, qt), fm.fp4_matmul_reference(x, qt))
 
@@ -223,7 +225,7 @@ def test_gpu_benchmark_shapes(fmt, k, n, m):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_w4a4(mode, m):
     k, n = 4096, 14336
-    qt = fm.prepack(_weights(k, n, "nvfp4", seed=m, scale=0.02))
+    qt = layouts.prepack(_weights(k, n, "nvfp4", seed=m, scale=0.02))
     x = random_x(m, k, seed=m + 1)
     y = fm.fp4_matmul_w4a4(x, qt, activation_dequant=mode)
     assert_close(y, fm.fp4_matmul_w4a4_reference(x, qt))
@@ -248,7 +250,7 @@ def test_gpu_one_token_unit_rows_exact(fmt):
     # the last step) must give fp4.dequantize's value, rounded once to bf16
     k, n = 1024, 64
     qt = _weights(k, n, fmt, seed=21)
-    w = fmv.with_gemv_layout(fm.prepack(qt), block_n=32)  # prepack packs NVFP4 only
+    w = layouts.with_gemv_layout(layouts.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     for pos in [*range(32), *range(k - 32, k)]:
         x = jnp.zeros((1, k), jnp.bfloat16).at[0, pos].set(1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kernel_checks import assert_close, random_x
 
-from pallas_kernels import cuda_lowering
+from pallas_kernels import cuda_lowering, layouts
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_matmul as fm
 from pallas_kernels import fp4_matmul_mgpu as fmm
@@ -29,7 +29,7 @@ def test_identity_rows_recover_dequantize_exactly():
     qt = _weights(k, n, seed=1)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
     y = fmm.fp4_matmul_mgpu(
-        jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt), cfg, interpret=True
+        jnp.eye(k, dtype=jnp.bfloat16), layouts.prepack_mgpu(qt), cfg, interpret=True
     )
     expected = fp4.dequantize(qt, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
@@ -37,7 +37,7 @@ def test_identity_rows_recover_dequantize_exactly():
     # the same with K split over two warpgroups (each row's one nonzero term in one part)
     ksplit = fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")
     y = fmm.fp4_matmul_mgpu(
-        jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt), ksplit, interpret=True
+        jnp.eye(k, dtype=jnp.bfloat16), layouts.prepack_mgpu(qt), ksplit, interpret=True
     )
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
 
@@ -66,7 +66,7 @@ def test_identity_rows_recover_dequantize_exactly():
 def test_matches_reference(m, k, n, cfg):
     qt = _weights(k, n, seed=m + k)
     x = random_x(m, k, seed=n)
-    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
+    y = fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.bfloat16
     assert_close(y, fm.fp4_matmul_reference(x, qt))
 
@@ -80,20 +80,20 @@ def test_mxfp4_matches_reference(grouped):
         w = jax.random.normal(jax.random.key(7), (3, k, n), jnp.float32) * 0.05
         qt = fp4.quantize(w, "mxfp4", axis=1)
         x, gs = random_x(13, k, seed=8), jnp.asarray([6, 0, 7], jnp.int32)
-        y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, interpret=True)
+        y = fmm.fp4_grouped_matmul_mgpu(x, layouts.prepack_mgpu(qt), gs, interpret=True)
         assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
         return
     w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32) * 0.05
     qt = fp4.quantize(w, "mxfp4", axis=0)
     x = random_x(5, k, seed=8)
-    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    y = fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
     eye = jnp.eye(k, dtype=jnp.bfloat16)
-    y = fmm.fp4_matmul_mgpu(eye, fmm.prepack_mgpu(qt), interpret=True)
+    y = fmm.fp4_matmul_mgpu(eye, layouts.prepack_mgpu(qt), interpret=True)
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     np.testing.assert_array_equal(np.asarray(y, np.float32), expected)
     nan_qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
-    y = np.asarray(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(nan_qt), interpret=True), np.float32)
+    y = np.asarray(fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(nan_qt), interpret=True), np.float32)
     assert np.all(np.isnan(y[:, 5])) and np.all(np.isfinite(np.delete(y, 5, axis=1)))
 
 
@@ -104,10 +104,10 @@ def test_w4a4_through_fp4_matmul_w4a4():
     qt = _weights(k, n, seed=13)
     x = random_x(6, k, seed=14) * jnp.asarray([[1.0], [30.0], [0.01], [1.0], [5.0], [0.2]])
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
-    y = fm.fp4_matmul_w4a4(x.astype(jnp.bfloat16), fm.prepack(qt), config=cfg, interpret=True)
+    y = fm.fp4_matmul_w4a4(x.astype(jnp.bfloat16), layouts.prepack(qt), config=cfg, interpret=True)
     assert_close(y, fm.fp4_matmul_w4a4_reference(x.astype(jnp.bfloat16), qt))
     with pytest.raises(ValueError, match="activation_dequant"):
-        fm.fp4_matmul_w4a4(x, fm.prepack(qt), config=cfg, activation_dequant="kernel")
+        fm.fp4_matmul_w4a4(x, layouts.prepack(qt), config=cfg, activation_dequant="kernel")
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_token_scale_in_the_kernel_equals_scaling_the_sums(cfg):
     # W4A4's per-token scale applied by the kernel before it rounds its output: bit for bit
     # the kernel's fp32 sums times the output scale, then the token scale, rounded once
     k, n, m = 256, 128, 5
-    w = fmm.prepack_mgpu(_weights(k, n, seed=21))
+    w = layouts.prepack_mgpu(_weights(k, n, seed=21))
     x = random_x(m, k, seed=22)
     r = jnp.asarray([1.0, 3.0e-3, 250.0, 0.5, 7.0], jnp.float32)
     y = fmm.fp4_matmul_mgpu(x, w, cfg, row_scale=r, interpret=True)
@@ -139,7 +139,7 @@ def test_per_row_global_scale():
     k, n = 128, 64
     qt = _weights(k, n, seed=3, global_scale="row")
     x = random_x(3, k, seed=4)
-    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    y = fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
@@ -148,7 +148,7 @@ def test_prepack_layout_is_the_operand_layout():
     # code of element (16 w + 8 (P % 2) + a, 16 j + 8 (P // 2) + 2 b + v) of the 64 x 64 tile
     k, n = 128, 128
     qt = _weights(k, n, seed=5)
-    words = np.asarray(fmm.prepack_mgpu(qt).words).reshape(2, 2, 128, 4)
+    words = np.asarray(layouts.prepack_mgpu(qt).words).reshape(2, 2, 128, 4)
     codes = np.asarray(fp4.unpacked_codes(qt)).reshape(n, k)
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -157,18 +157,18 @@ def test_prepack_layout_is_the_operand_layout():
         w_, a, b = t // 32, (t % 32) // 4, t % 4
         row = 64 * tn + 16 * w_ + 8 * (p % 2) + a
         col = 64 * kc + 16 * j + 8 * (p // 2) + 2 * b + v
-        sign, mag = fmm._SLOTS[(int(p), int(v))]
+        sign, mag = layouts.MGPU_SLOTS[(int(p), int(v))]
         word = int(words[tn, kc, t, j])
         assert ((word >> sign) & 1) << 3 | ((word >> mag) & 7) == codes[row, col]
 
 
 def test_bad_inputs():
     qt = _weights(128, 64, seed=6)
-    w = fmm.prepack_mgpu(qt)
+    w = layouts.prepack_mgpu(qt)
     with pytest.raises(ValueError, match="x must be"):
         fmm.fp4_matmul_mgpu(random_x(2, 64, 0), w, interpret=True)
     with pytest.raises(ValueError, match="multiples of 64"):
-        fmm.prepack_mgpu(_weights(128, 96, seed=7))
+        layouts.prepack_mgpu(_weights(128, 96, seed=7))
     with pytest.raises(ValueError, match="block_k"):
         fmm.MgpuMatmulConfig(block_k=96)
     with pytest.raises(ValueError, match="not a multiple"):
@@ -187,7 +187,7 @@ def test_gpu_identity_rows_exact(fmt):
     k, n = 256, 128
     w = jax.random.normal(jax.random.key(9), (k, n), jnp.float32) * 0.05
     qt = fp4.quantize(w, fmt, axis=0)
-    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), fmm.prepack_mgpu(qt))
+    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), layouts.prepack_mgpu(qt))
     np.testing.assert_array_equal(
         np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     )
@@ -199,9 +199,9 @@ def test_gpu_identity_rows_exact(fmt):
 def test_gpu_benchmark_shapes(k, n, m):
     qt = _weights(k, n, seed=k + m, scale=0.02)
     x = random_x(m, k, seed=m)
-    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
     # the dispatcher's route for a prepacked weight (default config, the same kernel)
-    assert_close(fm.fp4_matmul(x, fm.prepack(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, layouts.prepack(qt)), fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -212,7 +212,7 @@ def test_gpu_token_major_rows_not_multiples_of_8(m):
     k, n = 2048, 512
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 2)
-    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -236,7 +236,9 @@ def test_gpu_register_operand_not_overwritten(m, cfg):
     k, n = 8192, 28672
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 1)
-    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg), fm.fp4_matmul_reference(x, qt))
+    assert_close(
+        fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), cfg), fm.fp4_matmul_reference(x, qt)
+    )
 
 
 def test_fp4_matmul_dispatch():
@@ -244,15 +246,15 @@ def test_fp4_matmul_dispatch():
     # MgpuMatmulConfig selects the kernel through fp4_matmul
     k, n = 256, 64
     qt = _weights(k, n, seed=10)
-    w = fm.prepack(qt)
+    w = layouts.prepack(qt)
     assert w.mgpu is not None and w.gemv_words is None
     x = random_x(4, k, seed=11)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
     assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
-    assert fm.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is not None
-    assert fm.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
+    assert layouts.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is not None
+    assert layouts.prepack(_weights(256, 32, seed=12)).mgpu is None  # N not a multiple of 64
     with pytest.raises(ValueError, match="needs prepack"):
-        fm.fp4_matmul(x, fm.prepack(qt, mgpu=False), config=cfg, interpret=True)
+        fm.fp4_matmul(x, layouts.prepack(qt, mgpu=False), config=cfg, interpret=True)
 
 
 # ----------------------------------------------------------------------------- grouped (MoE)
@@ -298,7 +300,7 @@ def test_grouped_matches_reference(sizes, t, k, cfg, interpret):
     qt = _experts(e, k, n, seed=t)
     x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, cfg, interpret=interpret)
+    y = fmm.fp4_grouped_matmul_mgpu(x, layouts.prepack_mgpu(qt), gs, cfg, interpret=interpret)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     total = sum(sizes)
     assert y.shape == (t, n) and np.all(np.asarray(y, np.float32)[total:] == 0)
@@ -312,7 +314,7 @@ def test_grouped_identity_rows_exact():
     picks = [0, 5, 127, 64, 3, 9, 100]  # expert 0: 3 rows, expert 1: none, expert 2: 4 rows
     gs = jnp.asarray([3, 0, 4], jnp.int32)
     x = jax.nn.one_hot(jnp.asarray(picks), k, dtype=jnp.bfloat16)
-    y = fmm.fp4_grouped_matmul_mgpu(x, fmm.prepack_mgpu(qt), gs, interpret=True)
+    y = fmm.fp4_grouped_matmul_mgpu(x, layouts.prepack_mgpu(qt), gs, interpret=True)
     wd = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)  # [E, K, N]
     expected = np.stack([wd[0, p] for p in picks[:3]] + [wd[2, p] for p in picks[3:]])
     np.testing.assert_array_equal(np.asarray(y, np.float32), expected)
@@ -320,13 +322,15 @@ def test_grouped_identity_rows_exact():
 
 def test_grouped_prepack_and_bad_inputs():
     qt = _experts(4, 128, 64, seed=5)
-    w = gm.prepack_grouped(qt, mgpu=True)
+    w = layouts.prepack_grouped(qt, mgpu=True)
     assert w.mgpu is not None and w.mgpu.shape == (4, 128, 64)
-    assert gm.prepack_grouped(qt, mgpu=False).mgpu is None
+    assert layouts.prepack_grouped(qt, mgpu=False).mgpu is None
     with pytest.raises(ValueError, match="do not match"):
         fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="expert weights"):
-        fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), fmm.prepack_mgpu(_weights(128, 64, 1)), 0)
+        fmm.fp4_grouped_matmul_mgpu(
+            random_x(4, 128, 0), layouts.prepack_mgpu(_weights(128, 64, 1)), 0
+        )
     with pytest.raises(ValueError, match="dense"):
         fmm.fp4_matmul_mgpu(random_x(4, 128, 0), w.mgpu)
     with pytest.raises(ValueError, match="block_m"):
@@ -336,7 +340,7 @@ def test_grouped_prepack_and_bad_inputs():
     with pytest.raises(ValueError, match="tiles"):
         fmm.MgpuMatmulConfig(tiles=2, split_k=2)
     with pytest.raises(ValueError, match="grouped form"):
-        fmm.fp4_matmul_mgpu(random_x(4, 128, 0), fmm.prepack_mgpu(_weights(128, 128, 1)),
+        fmm.fp4_matmul_mgpu(random_x(4, 128, 0), layouts.prepack_mgpu(_weights(128, 128, 1)),
                             fmm.MgpuMatmulConfig(block_k=64, tiles=2), interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="64 x warpgroups x tiles"):
         fmm.fp4_grouped_matmul_mgpu(
@@ -402,7 +406,7 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     picks = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)])
     gs = jnp.asarray(np.bincount(picks.ravel(), minlength=e), jnp.int32)
     x = random_x(tokens * top, k, seed=k)
-    w = gm.prepack_grouped(qt, mgpu=True)
+    w = layouts.prepack_grouped(qt, mgpu=True)
     ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
     assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
@@ -429,7 +433,7 @@ def test_gpu_mxfp4_benchmark_shapes(k, n):
     w = jax.random.normal(jax.random.key(k), (k, n), jnp.float32) * 0.02
     qt = fp4.quantize(w, "mxfp4", axis=0)
     x = random_x(16, k, seed=3)
-    assert_close(fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt)), fm.fp4_matmul_reference(x, qt))
 
 
 @pytest.mark.parametrize(
@@ -447,7 +451,7 @@ def test_one_row_default_config_runs():
     assert cfg.warpgroups == 2 and cfg.split_k == 2
     qt = _weights(k, n, seed=21)
     x = random_x(1, k, seed=22)
-    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), cfg, interpret=True)
+    y = fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), cfg, interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
 
@@ -468,7 +472,7 @@ def test_decode_default_splits_k_on_warpgroups():
     k, n, m = 2048, 64, 3
     qt = _weights(k, n, seed=25)
     x = random_x(m, k, seed=26)
-    y = fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True)
+    y = fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
 
 
@@ -485,7 +489,8 @@ def test_tall_default_configs_run(m, n, warpgroups):
     qt = _weights(k, n, seed=23)
     x = random_x(m, k, seed=24)
     assert_close(
-        fmm.fp4_matmul_mgpu(x, fmm.prepack_mgpu(qt), interpret=True), fm.fp4_matmul_reference(x, qt)
+        fmm.fp4_matmul_mgpu(x, layouts.prepack_mgpu(qt), interpret=True),
+        fm.fp4_matmul_reference(x, qt),
     )
 
 
@@ -506,7 +511,9 @@ def test_oversized_config_is_refused():
     # a config that does not fit in shared memory is refused with the size it would need
     with pytest.raises(ValueError, match="shared memory"):
         big = fmm.MgpuMatmulConfig(block_k=256, stages=4)
-        fmm.fp4_matmul_mgpu(random_x(256, 1024, 0), fmm.prepack_mgpu(_weights(1024, 64, 1)), big)
+        fmm.fp4_matmul_mgpu(
+            random_x(256, 1024, 0), layouts.prepack_mgpu(_weights(1024, 64, 1)), big
+        )
 
 
 @pytest.mark.parametrize(
@@ -536,16 +543,16 @@ def test_lowers_for_cuda(m, cfg):
     # final compile.
     k, n = 512, 256
     if m == "grouped":
-        w = fmm.prepack_mgpu(_experts(4, k, n, seed=1))
+        w = layouts.prepack_mgpu(_experts(4, k, n, seed=1))
         x, sizes = jnp.zeros((24, k), jnp.bfloat16), jnp.array([3, 0, 12, 9], jnp.int32)
         fn = lambda x, w, g: fmm.fp4_grouped_matmul_mgpu(x, w, g, cfg)  # noqa: E731
         args = (x, w, sizes)
     elif m == "w4a4":  # the per-token scale applied in the kernel
-        w = fmm.prepack_mgpu(_weights(k, n, seed=2))
+        w = layouts.prepack_mgpu(_weights(k, n, seed=2))
         fn = lambda x, w, r: fmm.fp4_matmul_mgpu(x, w, cfg, row_scale=r)  # noqa: E731
         args = (jnp.zeros((40, k), jnp.bfloat16), w, jnp.ones((40,), jnp.float32))
     else:
-        w = fmm.prepack_mgpu(_weights(k, n, seed=2))
+        w = layouts.prepack_mgpu(_weights(k, n, seed=2))
         fn = lambda x, w: fmm.fp4_matmul_mgpu(x, w, cfg)  # noqa: E731
         args = (jnp.zeros((m, k), jnp.bfloat16), w)
     assert "mosaic_gpu" in cuda_lowering.export_for_cuda(fn, *args)

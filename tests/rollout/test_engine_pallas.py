@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels import fp4_decode_attention
-from pallas_kernels import fp4_grouped_matmul as gm
-from pallas_kernels.fp4_matmul import Fp4Weight
+from pallas_kernels import fp4_decode_attention, layouts
+from pallas_kernels import fp4_grouped_matmul_triton as gt
+from pallas_kernels.layouts import Fp4Weight
 from trace_jax import fp4
 from trace_jax.fp4.formats import E2M1_MAX, E4M3_MAX
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
@@ -107,8 +107,9 @@ def test_expert_weights_are_prepacked_once(engines, models, monkeypatch):
         np.testing.assert_array_equal(np.asarray(w.codes), np.asarray(qt.codes))
         assert w.shape == (CFG.num_experts, *qt.shape) and w.qtensor.axis == 1
     # nothing is packed while generating
-    monkeypatch.setattr(gm, "prepack_grouped", None)
-    monkeypatch.setattr(gm, "_prepack_arrays", None)
+    monkeypatch.setattr(layouts, "prepack_grouped", None)
+    monkeypatch.setattr(layouts, "prepack_arrays", None)
+    monkeypatch.setattr(gt, "prepack_grouped", None)
     eng.generate(PROMPTS, jax.random.key(0))
     # the training model keeps its float weights
     for p in _expert_params(models["pow2"]):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp4_grouped_matmul import fp4_grouped_linear
-from pallas_kernels.fp4_matmul import Fp4Weight
+from pallas_kernels.layouts import Fp4Weight
 from trace_jax import fp4
 
 # Expert weights the rollout engine packs once (``RolloutConfig.backend``): a per-expert FP4

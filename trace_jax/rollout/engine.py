@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import fp4_decode_attention
-from pallas_kernels.fp4_grouped_matmul import prepack_grouped
+from pallas_kernels.layouts import prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
