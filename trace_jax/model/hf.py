@@ -369,6 +369,63 @@ def read_hf_params(
     return nnx.from_flat_state([(p, var.replace(arrays[p])) for p, var in variables.items()])
 
 
+def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, np.ndarray]]:
+    """Read a hub checkpoint folder parameter by parameter, on the host.
+
+    Yields (flat parameter path of ``Transformer(cfg)``, its value in our layout as a numpy array
+    of ``cfg.param_dtype``) as soon as the parameter's last tensor has been read, shard by shard
+    (a layer's routed experts become one [E, in, out] array once the last of them has arrived).
+    Nothing is placed on a device: the caller decides what each parameter becomes there (the
+    rollout's layer-by-layer build quantizes the experts of one layer at a time). Checks and
+    errors as ``read_hf_params``.
+    """
+    folder = Path(path)
+    entries = _checkpoint_entries(folder)
+    tensors = hub_tensors(cfg, _fused_layers(cfg, entries))
+    _check_entries(folder, tensors, entries, cfg)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    shapes = {p: tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    pd = np.dtype(jax.numpy.dtype(cfg.param_dtype))
+    pending = dict.fromkeys(shapes, 0)
+    for t in tensors:
+        for s in t.slots:
+            pending[s.param] += 1
+    buffers: dict[Path_, np.ndarray] = {}
+    by_file: dict[Path, list[_Tensor]] = {}
+    for t in tensors:
+        by_file.setdefault(entries[t.name].file, []).append(t)
+    for file, file_tensors in by_file.items():
+        with safetensors.safe_open(file, framework="numpy") as f:
+            for t in file_tensors:
+                x = _get_tensor(f, t.name, entries[t.name], file)
+                for s in t.slots:
+                    if s.expert is None:
+                        ours = _to_ours(x, s.layout, shapes[s.param])
+                        value = np.array(ours, dtype=pd, order="C")
+                    else:
+                        if s.param not in buffers:
+                            buffers[s.param] = np.empty(shapes[s.param], pd)
+                        buf = buffers[s.param]
+                        buf[s.expert] = _to_ours(x, s.layout, buf.shape[1:])
+                        value = buf
+                    pending[s.param] -= 1
+                    if pending[s.param] == 0:
+                        buffers.pop(s.param, None)
+                        yield s.param, value
+                del x
+    if cfg.tie_word_embeddings and "lm_head.weight" in entries:
+        _check_tied_copy(entries, folder)
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a hub checkpoint folder's ``config.json``, with parameters and
+    compute in the checkpoint's stored dtype (float32 or bfloat16), as ``load_hf_checkpoint``
+    takes it by default."""
+    hf = json.loads((Path(path) / CONFIG).read_text())
+    stored = _stored_dtype(hf)
+    return ModelConfig.from_hf(hf, param_dtype=stored, dtype=stored)
+
+
 def _get_tensor(f, name: str, entry: _Entry, file: Path) -> np.ndarray:
     unsupported = CheckpointError(
         f"tensor {name!r} in {file} is {entry.dtype}, which this safetensors version does not "

@@ -1,0 +1,111 @@
+"""Layer-by-layer build of the rollout form: bit for bit the model that building then packing
+gives (random init and a sharded hub checkpoint), the engine's tokens and log-probs unchanged,
+and never the whole unpacked model alive at once."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels.layouts import Fp4Weight
+from trace_jax import fp4
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
+from trace_jax.model.hf import save_hf_checkpoint
+from trace_jax.rollout import RolloutConfig, RolloutEngine, load
+from trace_jax.rollout.engine import prepack_expert_weights, quantize_expert_weights
+
+CFG = ModelConfig.preset("tiny")
+POLICY = QuantPolicy.rollout("nvfp4")
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+SHAPE = dict(max_len=24, max_new_tokens=8)  # tests/rollout/test_engine.py's engine shape
+ROLLOUT = {
+    "xla": RolloutConfig(**SHAPE, kv_cache="nvfp4"),
+    "pallas": RolloutConfig(**SHAPE, kv_cache="nvfp4", backend="pallas"),
+}
+
+
+def built_then_packed(model, rollout):
+    """What RolloutEngine.update_params makes of a BF16 model (a copy)."""
+    graphdef, state = nnx.split(model)
+    model = quantize_expert_weights(nnx.merge(graphdef, jax.tree.map(jnp.copy, state)), POLICY)
+    return prepack_expert_weights(model) if rollout.backend == "pallas" else model
+
+
+def assert_bit_equal(a, b):
+    sa, sb = nnx.state(a), nnx.state(b)
+    assert jax.tree.structure(sa) == jax.tree.structure(sb)
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(
+            np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8)
+        )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_layer_by_layer_init_equals_building_then_packing(model, backend):
+    built = load.init_rollout_model(CFG, POLICY, ROLLOUT[backend], seed=0)
+    expect = Fp4Weight if backend == "pallas" else fp4.QTensor
+    assert isinstance(built.layers[0].mlp.gate_proj.get_value(), expect)
+    assert_bit_equal(built, built_then_packed(model, ROLLOUT[backend]))
+    # and the seed is used: another one gives other weights
+    other = load.init_rollout_model(CFG, QuantPolicy.bf16(), ROLLOUT[backend], seed=1)
+    assert not np.array_equal(other.embed_tokens.get_value(), model.embed_tokens.get_value())
+
+
+def test_a_bf16_policy_keeps_the_experts_unpacked(model):
+    built = load.init_rollout_model(CFG, QuantPolicy.bf16(), ROLLOUT["xla"], seed=0)
+    assert_bit_equal(built, model)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_sharded_checkpoint_loads_straight_into_the_rollout_form(model, tmp_path, backend):
+    files = save_hf_checkpoint(model, CFG, tmp_path, max_shard_bytes=200_000)
+    assert len(files) > 2  # each layer's experts spread over shards
+    cfg, built = load.load_rollout_model(tmp_path, POLICY, ROLLOUT[backend])
+    assert cfg == CFG
+    _, loaded = load_hf_checkpoint(tmp_path)
+    assert_bit_equal(built, built_then_packed(loaded, ROLLOUT[backend]))
+    assert_bit_equal(built, built_then_packed(model, ROLLOUT[backend]))
+
+
+def test_engine_generates_the_same_tokens_and_logprobs(model):
+    rollout = ROLLOUT["xla"]
+    built = load.init_rollout_model(CFG, POLICY, rollout, seed=0)
+    engine = RolloutEngine(built, POLICY, rollout)
+    # packed experts pass through update_params as they are
+    for a, b in zip(jax.tree.leaves(engine.state), jax.tree.leaves(nnx.state(built)), strict=True):
+        assert a is b
+    key = jax.random.key(3)
+    got = engine.generate(PROMPTS, key)
+    want = RolloutEngine(model, POLICY, rollout).generate(PROMPTS, key)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
+    assert np.asarray(got.generated).sum() == 3 * SHAPE["max_new_tokens"]
+
+
+def test_never_holds_every_layer_unpacked(monkeypatch):
+    # Live device bytes while each expert weight is packed, against the unpacked experts of
+    # all layers: layer by layer, at most one layer's are alive besides the packed model.
+    cfg = dataclasses.replace(CFG, num_layers=8)
+    pack, seen = load.pack_expert_weight, []
+
+    def watched(w, policy, *, prepack):
+        seen.append(sum(a.nbytes for a in jax.live_arrays()) - start)
+        return pack(w, policy, prepack=prepack)
+
+    monkeypatch.setattr(load, "pack_expert_weight", watched)
+    start = sum(a.nbytes for a in jax.live_arrays())
+    built = load.init_rollout_model(cfg, POLICY, ROLLOUT["xla"], seed=0)
+    layer_experts = 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    unpacked_model = cfg.num_layers * layer_experts
+    packed_model = sum(a.nbytes for a in jax.tree.leaves(nnx.state(built)))
+    assert len(seen) == 3 * cfg.num_layers
+    assert max(seen) <= packed_model + layer_experts < unpacked_model
