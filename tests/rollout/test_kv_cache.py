@@ -57,3 +57,17 @@ def test_fp4_cache_refuses_values_without_their_site_codes():
         kv_cache.to_storage("nvfp4", chunk(2, 1), None)
     with pytest.raises(ValueError, match="not one of bf16, fp8, nvfp4, mxfp4"):
         kv_cache.init_cache("int4", 1, B, S, H, D)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_empty_fp4_buffers_are_the_quantized_zeros(fmt):
+    # made from one quantized row: the same bytes as quantizing a whole zero buffer
+    buf = kv_cache.init_cache(fmt, 1, B, S, H, D).layers[0].v
+    zeros = fp4.quantize(jnp.zeros((B, S, H, D)), fmt, global_scale=kv_cache.site_global_scale(fmt))
+    assert buf.shape == zeros.shape and buf.axis == zeros.axis and buf.fmt == zeros.fmt
+    np.testing.assert_array_equal(np.asarray(buf.codes), np.asarray(zeros.codes))
+    np.testing.assert_array_equal(
+        np.asarray(buf.block_scales).view(np.uint8), np.asarray(zeros.block_scales).view(np.uint8)
+    )
+    g = np.broadcast_to(np.asarray(zeros.global_scale), (B, S, H, 1))
+    np.testing.assert_array_equal(np.asarray(buf.global_scale), g)
