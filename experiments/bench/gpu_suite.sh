@@ -30,10 +30,12 @@ STEPS=(
   "matmul-bounds|200|$PY $BENCH/fp4_matmul.py --bounds --ms 1,16,64"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
   "rollout-qwen3|500|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 4 --engines bf16,trace,bf16-pallas --batches 32 --prompt 64 --gens 128 --mode full --repeats 2"
-  "rollout-full|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,w4a4,bf16-pallas --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full.json"
-  "rollout-layers|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 16 --engines w4a16,w4a4,bf16,bf16-pallas --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-layers.json"
-  "rollout-profile|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16,w4a4,bf16-pallas --batches 64 --prompt 512 --gens 1024 --window 16 --repeats 2 --profile --json $OUT/rollout-profile.json"
-  "rollout-check|480|for m in window full; do $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16,bf16-pallas --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 1 --mode \$m; done"
+  "rollout-full|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full.json"
+  "rollout-full-w4a4|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a4 --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-w4a4.json"
+  "rollout-full-128|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-128.json"
+  "rollout-layers|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 16 --engines w4a16,bf16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-layers.json"
+  "rollout-profile|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a4,bf16-pallas --batches 64 --prompt 512 --gens 1024 --window 16 --repeats 2 --profile --json $OUT/rollout-profile.json"
+  "rollout-check|480|for m in window full; do $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16 --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 1 --mode \$m; done"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
 )
 
