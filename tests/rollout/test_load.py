@@ -77,15 +77,17 @@ def test_sharded_checkpoint_loads_straight_into_the_rollout_form(model, tmp_path
 
 
 def test_engine_generates_the_same_tokens_and_logprobs(model):
+    # one engine (one compiled program), given the BF16 model, then the layer-by-layer one
     rollout = ROLLOUT["xla"]
+    engine = RolloutEngine(model, POLICY, rollout)
+    key = jax.random.key(3)
+    want = engine.generate(PROMPTS, key)
     built = load.init_rollout_model(CFG, POLICY, rollout, seed=0)
-    engine = RolloutEngine(built, POLICY, rollout)
+    engine.update_params(built)
     # packed experts pass through update_params as they are
     for a, b in zip(jax.tree.leaves(engine.state), jax.tree.leaves(nnx.state(built)), strict=True):
         assert a is b
-    key = jax.random.key(3)
     got = engine.generate(PROMPTS, key)
-    want = RolloutEngine(model, POLICY, rollout).generate(PROMPTS, key)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
     assert np.asarray(got.generated).sum() == 3 * SHAPE["max_new_tokens"]
