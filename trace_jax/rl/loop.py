@@ -52,7 +52,7 @@ from trace_jax.model import (
     save_params,
     shard_model,
 )
-from trace_jax.rl import runlog, tasks_io
+from trace_jax.rl import memory, runlog, tasks_io
 from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.losses import LossConfig, group_advantages
 from trace_jax.rl.trainer import RLBatch, Trainer, TrainState
@@ -298,6 +298,17 @@ def train_policy(cfg: RLConfig) -> QuantPolicy:
     return QuantPolicy.trace(cfg.fmt, guided_layers=layers, guided_last_k=cfg.guided_last_k)
 
 
+def model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
+    """The preset with ``model_overrides`` (not for ``hf_checkpoint``, whose config.json rules)."""
+    try:
+        mcfg = ModelConfig.preset(cfg.model).replace(**cfg.model_overrides)
+    except TypeError as e:
+        raise ConfigError(f"model_overrides: {e}") from None
+    if mcfg.vocab_size < vocab_size:
+        raise ConfigError(f"model: vocab_size {mcfg.vocab_size} < the tokenizer's {vocab_size}")
+    return mcfg
+
+
 def build_model(cfg: RLConfig, vocab_size: int) -> Transformer:
     if cfg.hf_checkpoint:
         _, model = load_hf_checkpoint(cfg.hf_checkpoint)
@@ -306,13 +317,7 @@ def build_model(cfg: RLConfig, vocab_size: int) -> Transformer:
                 f"hf_checkpoint: vocab_size {model.cfg.vocab_size} < the tokenizer's {vocab_size}"
             )
         return model
-    try:
-        mcfg = ModelConfig.preset(cfg.model).replace(**cfg.model_overrides)
-    except TypeError as e:
-        raise ConfigError(f"model_overrides: {e}") from None
-    if mcfg.vocab_size < vocab_size:
-        raise ConfigError(f"model: vocab_size {mcfg.vocab_size} < the tokenizer's {vocab_size}")
-    return Transformer(mcfg, nnx.Rngs(cfg.seed))
+    return Transformer(model_config(cfg, vocab_size), nnx.Rngs(cfg.seed))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -327,7 +332,12 @@ class RLRun:
         self.run_dir = Path(run_dir)
         self.log = log
         self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)
+        self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
+        if not cfg.hf_checkpoint:  # before allocating anything (a checkpoint's config: below)
+            memory.check_fits(cfg, model_config(cfg, self.io.vocab_size), self.max_len)
         model = build_model(cfg, self.io.vocab_size)
+        if cfg.hf_checkpoint:
+            memory.check_fits(cfg, model.cfg, self.max_len)
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)
         self.mesh = None
@@ -369,7 +379,6 @@ class RLRun:
         self.sft_trainer = Trainer(
             model, QuantPolicy.bf16(), cfg.loss, adamw(cfg.warm_start.learning_rate())
         )
-        self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
         rollout_cfg = RolloutConfig(
             max_len=self.max_len,

@@ -1,0 +1,96 @@
+"""What an RL run holds in accelerator memory, counted from its config before anything is
+allocated, so that a run that cannot fit says so (and which knob to turn) instead of failing
+minutes later inside a compiled step.
+
+The count is a lower bound: the arrays the run must hold at once (master parameters and AdamW
+moments, one gradient, the stale-parameter history, the KL reference, each rollout engine's own
+weights, the KV cache and rollout records of a batch, the trainer's logits and a minimum of
+activations per token and layer). Compiled programs need more (temporaries, fragmentation); a
+run under the bound may still not fit, one over it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from trace_jax import fp4
+from trace_jax.config import ConfigError
+from trace_jax.model import ModelConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per part of a run (see the module docstring)."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+        return ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items() if v)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Routed-expert parameters (the ones FP4 rollouts store in FP4)."""
+    return len(cfg.moe_layers) * 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
+    """The lower bound of an ``RLConfig`` ``rl`` on model ``cfg`` with sequences of ``max_len``."""
+    n = cfg.num_params()
+    master = _BYTES[cfg.param_dtype]
+    compute = _BYTES[cfg.dtype]
+    experts = expert_params(cfg)
+    if rl.rollout == "fp4":  # packed codes + one scale byte per block
+        fmt = fp4.get_format(rl.fmt)
+        engine = (n - experts) * compute + experts * (4 * fmt.block_size + 8) // (
+            8 * fmt.block_size
+        )
+        kv_bytes = 0.5 + 1 / fmt.block_size + (4 / cfg.head_dim if fmt.has_global_scale else 0)
+    else:
+        engine, kv_bytes = n * compute, 2
+    batch = rl.prompts_per_step * rl.group_size
+    tokens = batch * max_len
+    kv = int(2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * kv_bytes)
+    mb_tokens = tokens // rl.minibatches
+    # per token and layer at least: the residual stream, attention's q/k/v/o, the routed
+    # experts' gate/up/act rows (k per token) kept for the backward pass
+    width = 2 * cfg.hidden_size + 2 * cfg.num_heads * cfg.head_dim
+    width += 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size
+    activations = mb_tokens * cfg.num_layers * width * compute + mb_tokens * cfg.vocab_size * 4
+    parts = {
+        "parameters": n * master,
+        "AdamW moments": 2 * n * master,
+        "gradients": n * master,
+        "stale parameters": rl.staleness * n * master,
+        "KL reference": n * master if rl.loss.kl_coef > 0 and not rl.ref_on_host else 0,
+        "rollout engines (2)": 2 * engine,
+        "KV cache": kv,
+        "trainer activations": activations,
+    }
+    return MemoryPlan(parts)
+
+
+def check_fits(rl, cfg: ModelConfig, max_len: int, budget: int | None = None) -> MemoryPlan:
+    """Raise ``ConfigError`` naming the budget, the parts and the knobs when the run's lower
+    bound exceeds ``budget`` bytes (default: the first device's memory limit, when it reports
+    one; no check otherwise)."""
+    got = plan(rl, cfg, max_len)
+    if budget is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        budget = stats.get("bytes_limit")
+    if budget and got.total > budget:
+        raise ConfigError(
+            f"memory: this run needs at least {got.total / 2**30:.1f} GiB of the device's "
+            f"{budget / 2**30:.1f} GiB ({got.describe()}); lower prompts_per_step, group_size or "
+            "max_new_tokens, raise minibatches, lower staleness, set ref_on_host, or take a "
+            "smaller model preset"
+        )
+    return got
