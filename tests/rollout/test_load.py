@@ -12,6 +12,7 @@ from flax import nnx
 
 from pallas_kernels.layouts import Fp4Weight
 from trace_jax import fp4
+from trace_jax.config import ConfigError
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
 from trace_jax.model.hf import save_hf_checkpoint
 from trace_jax.rollout import RolloutConfig, RolloutEngine, load
@@ -111,3 +112,28 @@ def test_never_holds_every_layer_unpacked(monkeypatch):
     packed_model = sum(a.nbytes for a in jax.tree.leaves(nnx.state(built)))
     assert len(seen) == 3 * cfg.num_layers
     assert max(seen) <= packed_model + layer_experts < unpacked_model
+
+
+def test_engines_check_the_form_of_packed_experts(model):
+    """A Pallas-packed model given to an XLA engine runs with its QTensors; a model packed in
+    another format, or packed at all for a BF16 engine, is refused naming both formats."""
+    packed = load.init_rollout_model(CFG, POLICY, ROLLOUT["pallas"], seed=0)
+    engine = RolloutEngine(packed, POLICY, ROLLOUT["xla"])
+    weights = [p.get_value() for p in _experts(nnx.merge(engine.graphdef, engine.state))]
+    assert weights and all(type(w) is fp4.QTensor for w in weights)
+    mx = QuantPolicy.rollout("mxfp4")
+    with pytest.raises(ConfigError, match=r"packed in nvfp4; this engine's are mxfp4"):
+        RolloutEngine(packed, mx, dataclasses.replace(ROLLOUT["xla"], kv_cache="mxfp4"))
+    with pytest.raises(ConfigError, match=r"packed in nvfp4; this engine's are unquantized"):
+        RolloutEngine(
+            packed, QuantPolicy.bf16(), dataclasses.replace(ROLLOUT["xla"], kv_cache="bf16")
+        )
+
+
+def _experts(model):
+    return [
+        getattr(layer.mlp, name)
+        for layer in model.layers
+        if layer.is_moe
+        for name in ("gate_proj", "up_proj", "down_proj")
+    ]

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels import fp4_decode_attention
-from pallas_kernels.layouts import prepack_grouped
+from pallas_kernels.layouts import Fp4Weight, prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
@@ -126,8 +126,18 @@ def _record_buffer(record: Record, max_len: int) -> Record:
     per-tensor scale belongs to the chunk that was quantized with it)."""
     shape = (record.shape[0], max_len, *record.shape[2:])
     mode = "row" if record.fmt.has_global_scale else "tensor"
-    qt = fp4.quantize(jnp.zeros(shape, jnp.float32), record.fmt, global_scale=mode)
-    return fp4.rollout_guidance(qt) if isinstance(record, fp4.Guidance) else qt
+    # Rows quantize independently: one zero row, broadcast (no float32 buffer of the records'
+    # size). The quantized axis is the last (the sites quantize along their last axis).
+    row = fp4.quantize(
+        jnp.zeros((*(1,) * (len(shape) - 1), shape[-1]), jnp.float32), record.fmt, global_scale=mode
+    )
+    row = fp4.rollout_guidance(row) if isinstance(record, fp4.Guidance) else row
+    lead = (*shape[:-1],)
+    arrays = {
+        f: a if jnp.ndim(a) == 0 else jnp.broadcast_to(a, (*lead, a.shape[-1]))
+        for f, a in ((f, getattr(row, f)) for f in _array_fields(row))
+    }
+    return dataclasses.replace(row, **arrays, shape=shape)
 
 
 def sampled_rows(batch: int, n: int | None) -> np.ndarray:
@@ -217,12 +227,31 @@ class RolloutEngine:
     # ------------------------------------------------------------------ parameters
 
     def update_params(self, model: Transformer, version: int | None = None) -> None:
-        """Take new policy weights (copied; FP4 expert weights are quantized here, once)."""
+        """Take new policy weights (copied; FP4 expert weights are quantized here, once).
+
+        Expert weights that come packed already (``trace_jax.rollout.load``) must be in the
+        engine's format; prepacked ones go back to their ``QTensor`` for an engine that does
+        not run the grouped kernel."""
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
-        if self.cfg.fp4_weights and self.policy.expert_weights == "rtn":
+        fp4_experts = self.cfg.fp4_weights and self.policy.expert_weights == "rtn"
+        kernel = self.cfg.backend == "pallas" and "moe" in self.cfg.kernels
+        for param in _expert_params(model):
+            w = param.get_value()
+            qt = w.qtensor if isinstance(w, Fp4Weight) else w
+            if not isinstance(qt, fp4.QTensor):
+                continue
+            if not fp4_experts or qt.fmt.name != self.policy.fmt:
+                want = self.policy.fmt if fp4_experts else "unquantized (BF16)"
+                raise ConfigError(
+                    f"expert weights: the model's are packed in {qt.fmt.name}; this engine's "
+                    f"are {want}"
+                )
+            if isinstance(w, Fp4Weight) and not kernel:
+                param.set_value(qt)
+        if fp4_experts:
             model = quantize_expert_weights(model, self.policy)
-            if self.cfg.backend == "pallas" and "moe" in self.cfg.kernels:
+            if kernel:
                 model = prepack_expert_weights(model)
         self.graphdef, self.state = nnx.split(model)
         self.version = self.version + 1 if version is None else version
