@@ -2,6 +2,7 @@
 are collected first; the hypothesis profile; a persistent compilation cache, so that programs
 compiled again (a resumed run, a second engine of the same shapes) are loaded instead."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -23,6 +24,30 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Every program XLA:CPU compiles keeps its machine code in memory mappings until the program is
+# dropped; a test worker that has compiled a few hundred of them reaches the kernel's limit on
+# mappings per process (vm.max_map_count, 65530 by default; 6 RL trainer tests alone leave 12k)
+# and the next compilation crashes the worker. Past this many, the compiled programs are dropped
+# (later tests compile again or load them from the persistent cache).
+MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()
 
 
 def has_gpu() -> bool:

@@ -32,14 +32,15 @@ def small(**kw) -> loop.RLConfig:
         eval_problems=4,  # a rollout batch: the greedy evaluation prefills with its program
         checkpoint_every=2,
         guidance_host_bytes=0,  # every guidance record goes through a tensorstore spill
-        staleness=2,
-        ppo_epochs=2,
-        minibatches=2,
-        loss={"kl_coef": 0.05},
+        staleness=1,
         diagnostic=True,
         plot=False,
     )
     return from_dict(loop.RLConfig, {**base, **kw})
+
+
+# The resume test's settings beyond small(): everything a resume must restore exactly.
+HARD = dict(staleness=2, ppo_epochs=2, minibatches=2, loss={"kl_coef": 0.05})
 
 
 def timing(key: str) -> bool:
@@ -61,7 +62,7 @@ class Killed(Exception):
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
-    cfg = small()
+    cfg = small(**HARD)
     loop.RLRun(cfg, tmp_path / "a", log=lambda *_: None).run()
     text = (tmp_path / "a" / "metrics.jsonl").read_text()
     raw = [json.loads(line) for line in text.splitlines()]
@@ -168,7 +169,7 @@ def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
     warm-start-only run (``steps: 0``) writes ``policy/``; runs of other modes started from it
     with ``init_checkpoint`` begin RL from exactly those parameters."""
     quiet = dict(log=lambda *_: None)
-    warm = dict(steps=0, staleness=0, eval_problems=0)
+    warm = dict(steps=0, eval_problems=0)
     loop.RLRun(small(**warm), tmp_path / "warm_trace", **quiet).run()
     loop.RLRun(small(**warm, train_mode="qat"), tmp_path / "warm_qat", **quiet).run()
     start = params_of(tmp_path / "warm_trace" / "policy")
@@ -179,9 +180,7 @@ def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
         warm_start={"steps": 0},
         init_checkpoint=str(tmp_path / "warm_trace"),
         steps=1,
-        staleness=0,
         eval_problems=0,
-        loss={},
     )
     loop.RLRun(cfg, tmp_path / "qat", **quiet).run()
     for a, b in zip(start, params_of(tmp_path / "qat" / "policy"), strict=True):
@@ -206,8 +205,9 @@ def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch
         return real_put(self, version + 1, ids, records)
 
     monkeypatch.setattr(GuidanceCache, "put_batch", mislabelled)
+    cfg = small(warm_start={"steps": 0}, staleness=2)
     with pytest.raises(GuidanceVersionError, match="recorded under version"):
-        loop.RLRun(small(warm_start={"steps": 0}), tmp_path / "run", log=lambda *_: None).run()
+        loop.RLRun(cfg, tmp_path / "run", log=lambda *_: None).run()
 
 
 def test_configs_refuse_bad_combinations():
