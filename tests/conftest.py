@@ -29,23 +29,22 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Every program XLA:CPU compiles keeps its machine code in memory mappings until the program is
 # dropped; a test worker that has compiled a few hundred of them reaches the kernel's limit on
 # mappings per process (vm.max_map_count, 65530 by default; 6 RL trainer tests alone leave 12k)
-# and the next compilation crashes the worker. Past this many, the compiled programs are dropped
-# (later tests compile again or load them from the persistent cache).
-MAX_MAPPINGS = 40_000
-
-
-def _mappings() -> int:
+# and the next compilation crashes the worker. Past 60 % of the limit the compiled programs are
+# dropped (later tests compile again or load them from the persistent cache).
+def _mapping_limit() -> int:
     try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:  # not Linux
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):  # not Linux: no such limit to watch
         return 0
+
+
+MAX_MAPPINGS = int(0.6 * _mapping_limit())
 
 
 @pytest.fixture(autouse=True)
 def _bounded_memory_mappings():
     yield
-    if _mappings() > MAX_MAPPINGS:
+    if MAX_MAPPINGS and Path("/proc/self/maps").read_bytes().count(b"\n") > MAX_MAPPINGS:
         jax.clear_caches()
         gc.collect()
 

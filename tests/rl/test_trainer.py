@@ -251,3 +251,25 @@ def test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand():
     # ratio 1, no correction: the loss is -advantage per token plus the weighted KL
     adv = np.broadcast_to(np.asarray(ADV8)[:, None], mask.shape)[mask]
     assert m["train/loss"] == pytest.approx(np.mean(-adv + 0.1 * kl), rel=1e-4)
+
+
+def test_trainers_built_alike_share_compiled_steps_and_others_do_not():
+    """The jitted steps are keyed by what they read: equal settings share one program; another
+    optimizer (or one described by nothing but its identity) gets its own."""
+    models = [Transformer(CFG1, nnx.Rngs(s)) for s in (0, 1)]
+    args = (QuantPolicy.qat(), LossConfig())
+    slow, slow_again = (
+        Trainer(m, *args, optax.sgd(0.1), optimizer_key=("sgd", 0.1)) for m in models
+    )
+    fast = Trainer(models[0], *args, optax.sgd(0.5), optimizer_key=("sgd", 0.5))
+    assert slow == slow_again and hash(slow) == hash(slow_again) and slow != fast
+    assert Trainer(models[0], *args, optax.sgd(0.1)) != Trainer(models[0], *args, optax.sgd(0.1))
+    grads = jax.tree.map(jnp.ones_like, slow.init().params)
+    one = jax.tree.leaves(slow.apply(slow.init(), grads)[0].params)[0]
+    other = jax.tree.leaves(slow_again.apply(slow_again.init(), grads)[0].params)[0]
+    five = jax.tree.leaves(fast.apply(fast.init(), grads)[0].params)[0]
+    start = [jax.tree.leaves(t.init().params)[0] for t in (slow, slow_again, fast)]
+    # each applies its own step to its own parameters (no constants baked into the program)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(start[0]) - 0.1, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(other), np.asarray(start[1]) - 0.1, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(five), np.asarray(start[2]) - 0.5, rtol=1e-6)

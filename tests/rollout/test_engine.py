@@ -250,3 +250,19 @@ def test_per_tensor_nvfp4_activation_scales_are_recorded_per_slot_and_guide_the_
     g = np.asarray(state.guidance["layers.0.experts.gate_up.act"].global_scale)[..., 0]
     n = len(PROMPTS[0])
     assert np.all(g[0, :n] == g[0, 0]) and len(np.unique(g[0, n : int(state.lengths[0])])) > 1
+
+
+def test_engines_built_alike_share_programs_and_use_their_own_weights(model):
+    """Equal engine settings share compiled steps; each still decodes with its own weights."""
+    other = Transformer(CFG, nnx.Rngs(5))
+    a, b = (
+        RolloutEngine(m, QuantPolicy.rollout(), RolloutConfig(**SHAPE, kv_cache="nvfp4"))
+        for m in (model, other)
+    )
+    assert a == b and hash(a) == hash(b)
+    assert a != RolloutEngine(model, QuantPolicy.qat(), RolloutConfig(**SHAPE, kv_cache="nvfp4"))
+    key = jax.random.key(4)
+    got = [e.generate(PROMPTS, key).logprobs for e in (a, b)]
+    a.update_params(other)
+    np.testing.assert_array_equal(np.asarray(a.generate(PROMPTS, key).logprobs), np.asarray(got[1]))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(got[1]))

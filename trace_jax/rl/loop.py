@@ -365,6 +365,12 @@ class RLRun:
                 optax.adamw(lr, weight_decay=cfg.weight_decay),
             )
 
+        # what each optimizer is made of (trainers built alike share their compiled steps)
+        clip_decay = (cfg.grad_clip, cfg.weight_decay)
+        rl_optimizer = ("adamw", cfg.lr, cfg.lr_warmup_steps, *clip_decay)
+        ws = cfg.warm_start
+        sft_optimizer = ("adamw", ws.lr, ws.warmup_steps, ws.schedule, ws.steps, *clip_decay)
+
         self.trainer = Trainer(
             model,
             train_policy(cfg),
@@ -374,10 +380,15 @@ class RLRun:
             sampling=cfg.sampling,
             ppo_epochs=cfg.ppo_epochs,
             minibatches=cfg.minibatches,
+            optimizer_key=rl_optimizer,
         )
         # The warm start is the same for every mode: BF16, as a pretrained model would be.
         self.sft_trainer = Trainer(
-            model, QuantPolicy.bf16(), cfg.loss, adamw(cfg.warm_start.learning_rate())
+            model,
+            QuantPolicy.bf16(),
+            cfg.loss,
+            adamw(cfg.warm_start.learning_rate()),
+            optimizer_key=sft_optimizer,
         )
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
         rollout_cfg = RolloutConfig(
@@ -392,12 +403,10 @@ class RLRun:
             code_rows=None if cfg.diagnostic else cfg.code_metrics_rows or None,
         )
         self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
-        # Greedy evaluation with the rollout's precision and no records.
-        eval_policy = QuantPolicy.qat(cfg.fmt) if cfg.rollout == "fp4" else QuantPolicy.bf16()
-        greedy = dataclasses.replace(
-            rollout_cfg, sampling=SamplingConfig(temperature=0.0), code_rows=None
-        )
-        self.eval_engine = RolloutEngine(model, eval_policy, greedy)
+        # Greedy evaluation with the rollout's precision (and policy: its records are not used,
+        # but a batch of the rollout's size then shares the rollout's compiled prefill).
+        greedy = dataclasses.replace(rollout_cfg, sampling=SamplingConfig(temperature=0.0))
+        self.eval_engine = RolloutEngine(model, self.rollout_policy, greedy)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
 

@@ -124,6 +124,9 @@ class Trainer:
       routing_replay: use the batch's recorded experts in the forward (Rollout Routing Replay).
       sampling: the rollout's sampling distribution, under which tokens are scored.
       ppo_epochs, minibatches: updates per rollout batch (see the module docstring).
+      optimizer_key: a hashable description of ``optimizer`` (its settings): trainers built
+        alike then share their compiled steps (a resumed run's new trainer those of the killed
+        one). None: the optimizer object itself.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Trainer:
         sampling: SamplingConfig | None = None,
         ppo_epochs: int = 1,
         minibatches: int = 1,
+        optimizer_key=None,
     ):
         if ppo_epochs <= 0 or minibatches <= 0:
             raise ValueError(f"ppo_epochs {ppo_epochs} and minibatches {minibatches} must be > 0")
@@ -150,6 +154,27 @@ class Trainer:
         self.ppo_epochs = ppo_epochs
         self.minibatches = minibatches
         self.guided_sites = policy.guided_sites(self.cfg.num_layers)
+        # The jitted steps take the trainer as a static argument; what they read of it besides
+        # their arguments is this key (non-parameter model state would be baked in: identity).
+        self._trace_key = (
+            self.graphdef,
+            policy,
+            loss,
+            self.sampling,
+            routing_replay,
+            ppo_epochs,
+            minibatches,
+            self.cfg,
+            id(optimizer) if optimizer_key is None else optimizer_key,
+            id(self) if jax.tree.leaves(self.rest) else None,
+        )
+        self._trace_hash = hash(self._trace_key)
+
+    def __hash__(self) -> int:
+        return self._trace_hash
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._trace_key == self._trace_key
 
     def init(self, params=None) -> TrainState:
         # a copy: the steps donate the state, and the model passed in keeps its own arrays

@@ -255,6 +255,17 @@ class RolloutEngine:
                 model = prepack_expert_weights(model)
         self.graphdef, self.state = nnx.split(model)
         self.version = self.version + 1 if version is None else version
+        self._trace_key = (self.graphdef, self.cfg, self.policy, self.model_cfg)
+        self._trace_hash = hash(self._trace_key)
+
+    # The jitted steps take the engine as a static argument and read only what this key holds
+    # (the parameters are arguments): engines built alike share their compiled programs, as a
+    # resumed run's new engine does the killed run's.
+    def __hash__(self) -> int:
+        return self._trace_hash
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._trace_key == self._trace_key
 
     # ------------------------------------------------------------------ state
 
