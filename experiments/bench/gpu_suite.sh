@@ -9,7 +9,7 @@
 set -u
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # keeps the wheels of ../shared/tools/gpu-wheels (the RL steps need them)
 PY=${PYTHON:-python3}
 BENCH=experiments/bench
 
@@ -37,6 +37,9 @@ STEPS=(
   "rollout-profile|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a4,bf16-pallas --batches 64 --prompt 512 --gens 1024 --window 16 --repeats 2 --profile --json $OUT/rollout-profile.json"
   "rollout-check|480|for m in window full; do $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16 --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 1 --mode \$m; done"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
+  "rl-compile-scaling|560|bash $BENCH/rl_suite.sh compile-scaling"
+  "rl-overhead-medium|440|bash $BENCH/rl_suite.sh overhead-medium"
+  "rl-modes-medium|560|bash $BENCH/rl_suite.sh modes-medium"
 )
 
 if [ "${1:-}" = "--list" ]; then
