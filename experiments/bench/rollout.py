@@ -488,6 +488,9 @@ def profile(model, engine_spec: Engine, cfg: ModelConfig, args, batch: int) -> l
     times = {}
     for name, patches in _variants(engine_spec, hits := set()).items():
         hits.clear()
+        # Engines built alike share compiled programs: each variant must be traced anew with
+        # its stand-in, so no program of the last one is kept.
+        jax.clear_caches()
         with _patched(patches):
             eng = RolloutEngine(model, engine_spec.policy, rollout)
             t = time_window(eng, batch, position, args.repeats, args.seed)

@@ -181,6 +181,7 @@ def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeyp
         return kernel(*args, **kw)
 
     monkeypatch.setattr(fp4_decode_attention, "decode_attention_append", counted)
+    jax.clear_caches()  # counted at trace time: no program of an engine built alike
     eng = RolloutEngine(
         model,
         policy,
@@ -223,6 +224,7 @@ def test_tensor_core_attention_decodes_as_the_triton_kernel(monkeypatch):
         return kernel(*args, **kw)
 
     monkeypatch.setattr(tc, "attend", counted)
+    jax.clear_caches()  # counted at trace time: no program of an engine built alike
     cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, head_dim=64)
     model = Transformer(cfg, nnx.Rngs(1))
     states = {}
@@ -264,6 +266,7 @@ def test_gpu_tensor_core_moe_route_matches_xla(monkeypatch):
     monkeypatch.setattr(
         fmm, "fp4_grouped_matmul_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
+    jax.clear_caches()  # counted at trace time: no program of an engine built alike
     out = {}
     for backend in ("xla", "pallas"):
         rc = RolloutConfig(
