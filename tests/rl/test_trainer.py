@@ -153,12 +153,14 @@ PROMPTS8 = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]] * 2
 ADV8 = jnp.asarray([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 0.25, -0.25])
 
 
-def fp4_batch(seed=0):
-    model = Transformer(CFG1, nnx.Rngs(seed))
+@pytest.fixture(scope="module")
+def fp4_batch():
+    """A 1-layer model and an FP4 rollout batch of it, shared by the update tests."""
+    model = Transformer(CFG1, nnx.Rngs(0))
     engine = RolloutEngine(
         model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
     )
-    return model, batch_from(engine.generate(PROMPTS8, jax.random.key(seed)), ADV8)
+    return model, batch_from(engine.generate(PROMPTS8, jax.random.key(0)), ADV8)
 
 
 def test_trainer_scores_the_sampling_distribution_so_bf16_pairs_stay_at_the_floor():
@@ -188,8 +190,8 @@ def test_trainer_scores_the_sampling_distribution_so_bf16_pairs_stay_at_the_floo
     assert found["raw"] > 100 * max(found["plain"], 1e-7), found
 
 
-def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip():
-    model, batch = fp4_batch()
+def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip(fp4_batch):
+    model, batch = fp4_batch
     loss_cfg = LossConfig(clip_low=0.05, clip_high=0.05)
     lr = 0.5
     trainer = Trainer(
@@ -230,8 +232,8 @@ def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip():
     assert single.rl_step(single.init(), batch)[1]["loss/clip_frac"] == 0
 
 
-def test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand():
-    model, batch = fp4_batch(1)
+def test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand(fp4_batch):
+    model, batch = fp4_batch
     loss_cfg = LossConfig(kl_coef=0.1, is_correction="none")
     trainer = Trainer(model, QuantPolicy.trace(), loss_cfg, optax.sgd(0.0))
     state = trainer.init()
