@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The kernels' GPU checks and timings, step by step, on a machine with the GPU (run from the
-# repository root with the machine's python3). Each step runs under its own time limit with its
+# The kernels' and RL's GPU checks and timings, step by step, on a machine with the GPU (run
+# from the repository root with the machine's python3). Each step runs under its own time limit with its
 # output in $OUT/<step>.log; a line per step (exit status, seconds, last line) ends the run.
 #
 #   bash experiments/bench/gpu_suite.sh                        # every step, in order
@@ -12,6 +12,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # keeps the wheels of ../shared/tools/gpu-wheels (the RL steps need them)
 PY=${PYTHON:-python3}
 BENCH=experiments/bench
+RUN="$PY -m experiments run"
+MEDIUM=configs/reasoning/medium.yaml
+PHASES="$PY $BENCH/rl_phases.py"
+# Programs compiled by one step are loaded by the next (the machine starts with no cache).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 
 # name | time limit (s) | command
 STEPS=(
@@ -37,9 +42,13 @@ STEPS=(
   "rollout-profile|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a4,bf16-pallas --batches 64 --prompt 512 --gens 1024 --window 16 --repeats 2 --profile --json $OUT/rollout-profile.json"
   "rollout-check|480|for m in window full; do $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16 --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 1 --mode \$m; done"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
-  "rl-compile-scaling|560|bash $BENCH/rl_suite.sh compile-scaling"
-  "rl-overhead-medium|440|bash $BENCH/rl_suite.sh overhead-medium"
-  "rl-modes-medium|560|bash $BENCH/rl_suite.sh modes-medium"
+  # RL (the entry point needs the wheels of ../shared/tools/gpu-wheels; run dirs in runs/)
+  "rl-mismatch-small|400|for b in xla pallas; do $RUN configs/trace_mismatch.yaml model=small batch=32 prompt_len=16 max_new_tokens=64 backend=\$b plot=false --run-dir runs/mismatch-\$b; done"
+  "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
+  "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
+  "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
+  "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
+  "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -47,6 +56,7 @@ if [ "${1:-}" = "--list" ]; then
   exit 0
 fi
 
+mkdir -p runs
 summary=()
 for s in "${STEPS[@]}"; do
   IFS='|' read -r name limit cmd <<<"$s"

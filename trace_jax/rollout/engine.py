@@ -171,21 +171,28 @@ def quantize_expert_weights(model: Transformer, policy: QuantPolicy) -> Transfor
     paths use the same weights. Works in place on ``model`` and returns it.
     """
 
-    def pack(w):
-        return jax.vmap(
-            lambda we: fp4.quantize(
-                we,
-                policy.fmt,
-                axis=0,
-                scale_rule=policy.weight_scale_rule,
-                block_2d=policy.weight_block_2d,
-            )
-        )(w)
-
     for param in _expert_params(model):
         if not isinstance(param.get_value(), layers.PackedExpertWeight):
-            param.set_value(pack(param.get_value()))
+            param.set_value(pack_expert_weight(param.get_value(), policy))
     return model
+
+
+def pack_expert_weight(
+    w: jax.Array, policy: QuantPolicy, *, prepack: bool = False
+) -> layers.PackedExpertWeight:
+    """One routed-expert weight [E, K, N] in its rollout form: its per-expert FP4 ``QTensor``
+    (the codes of the training side's expert-weight fake quant), and with ``prepack`` the
+    grouped kernel's ``Fp4Weight``."""
+    qt = jax.vmap(
+        lambda we: fp4.quantize(
+            we,
+            policy.fmt,
+            axis=0,
+            scale_rule=policy.weight_scale_rule,
+            block_2d=policy.weight_block_2d,
+        )
+    )(w)
+    return prepack_grouped(qt) if prepack else qt
 
 
 def prepack_expert_weights(model: Transformer) -> Transformer:

@@ -22,11 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.layouts import prepack_grouped
-from trace_jax import fp4
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, hf, layers
 from trace_jax.model.transformer import DecoderLayer
-from trace_jax.rollout.engine import RolloutConfig
+from trace_jax.rollout.engine import RolloutConfig, pack_expert_weight
 
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 _INIT_SCALE = 0.02  # the embedding's and LM head's normal init (``transformer.Transformer``)
@@ -40,24 +38,6 @@ def expert_packing(policy: QuantPolicy, rollout: RolloutConfig) -> tuple[bool, b
     quantize = rollout.fp4_weights and policy.expert_weights == "rtn"
     prepack = quantize and rollout.backend == "pallas" and "moe" in rollout.kernels
     return quantize, prepack
-
-
-def pack_expert_weight(
-    w: jax.Array, policy: QuantPolicy, *, prepack: bool
-) -> layers.PackedExpertWeight:
-    """One routed-expert weight [E, K, N] in its rollout form: the per-expert FP4 ``QTensor`` of
-    ``engine.quantize_expert_weights`` (the training side's expert-weight fake quant), and with
-    ``prepack`` the grouped kernel's ``Fp4Weight`` of ``engine.prepack_expert_weights``."""
-    qt = jax.vmap(
-        lambda we: fp4.quantize(
-            we,
-            policy.fmt,
-            axis=0,
-            scale_rule=policy.weight_scale_rule,
-            block_2d=policy.weight_block_2d,
-        )
-    )(w)
-    return prepack_grouped(qt) if prepack else qt
 
 
 def init_rollout_model(
