@@ -40,6 +40,7 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
+    print(f"  median of {repeats}: {statistics.median(times):.4f} s", flush=True)
     return statistics.median(times), out
 
 
@@ -52,6 +53,8 @@ def measure(
     backend: str,
     fmt: str = "nvfp4",
     layers: int | None = None,
+    scan_decode: bool = False,
+    sides: tuple[str, ...] = ("qat", "trace"),
 ) -> dict[str, dict[str, float]]:
     """Seconds per phase for ``qat`` and ``trace`` (see the module docstring)."""
     cfg = ModelConfig.preset(preset)
@@ -59,17 +62,23 @@ def measure(
         cfg = cfg.replace(num_layers=layers)
     model = Transformer(cfg, nnx.Rngs(0))
     rollout_cfg = RolloutConfig(
-        max_len=prompt_len + new, max_new_tokens=new, kv_cache=fmt, backend=backend
+        max_len=prompt_len + new,
+        max_new_tokens=new,
+        kv_cache=fmt,
+        backend=backend,
+        scan_decode=scan_decode,
     )
     rng = np.random.default_rng(0)
     prompts = rng.integers(4, cfg.vocab_size, (batch, prompt_len)).tolist()
     key = jax.random.key(0)
-    sides = {
+    policies = {
         "qat": (QuantPolicy.qat(fmt), QuantPolicy.qat(fmt)),
         "trace": (QuantPolicy.rollout(fmt), QuantPolicy.trace(fmt)),
     }
     out: dict[str, dict[str, float]] = {}
-    for name, (rollout_policy, train_policy) in sides.items():
+    for name, (rollout_policy, train_policy) in policies.items():
+        if name not in sides:
+            continue
         print(f"{name}: engine, rollout, guidance, trainer", flush=True)
         engine = RolloutEngine(model, rollout_policy, rollout_cfg)
         phases: dict[str, float] = {}
@@ -118,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", choices=("auto", "xla", "pallas"), default="auto")
     parser.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
+    parser.add_argument("--scan-decode", action="store_true", help="scan the decode step too")
+    parser.add_argument("--qat-only", action="store_true", help="compile and time QAT's side only")
     args = parser.parse_args(argv)
     backend = args.backend
     if backend == "auto":
@@ -131,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         backend,
         args.fmt,
         args.layers,
+        args.scan_decode,
+        ("qat",) if args.qat_only else ("qat", "trace"),
     )
+    if args.qat_only:
+        return 0
     qat, trace = got["qat"], got["trace"]
     print(
         f"\n{args.preset} ({args.layers or 'all'} layers), batch {args.batch}, prompt "

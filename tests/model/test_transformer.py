@@ -1,6 +1,7 @@
 """The MoE transformer: dispatch vs a dense reference, causality, padding, routing replay, sites."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -188,3 +189,44 @@ def test_route_renormalisation():
     w2, _ = layers.route(logits, 3, norm_topk_prob=False)
     p = jax.nn.softmax(logits, -1)
     np.testing.assert_allclose(np.asarray(w2), np.asarray(jnp.take_along_axis(p, e, -1)))
+
+
+def test_scanned_layers_compute_what_the_per_layer_loop_does():
+    """``scan_layers`` runs alike consecutive layers as one ``lax.scan``; logits, routes, K/V,
+    the rollout's records (codes bit for bit) and the guided trainer's gradients equal the
+    per-layer loop's, on a stack with a dense layer and TRACE's RTN and guided halves."""
+    cfg = CFG.replace(num_layers=6, mlp_only_layers=(0,))
+    m = Transformer(cfg, nnx.Rngs(3))
+    tok = tokens(2, 8)
+    rollout, trace = QuantPolicy.rollout(record_codes=True), QuantPolicy.trace()
+    assert m._runs(SiteContext(trace, 6)) == [(0, 1), (1, 3), (3, 6)]
+    assert m._runs(SiteContext(QuantPolicy(), 6)) == [(0, 1), (1, 6)]
+    assert "scan" in str(jax.make_jaxpr(lambda t: m(t, scan_layers=True).logits)(tok))
+    assert "scan" not in str(jax.make_jaxpr(lambda t: m(t).logits)(tok))
+
+    # One compiled body instead of several: float sums may associate differently (f32 ulps).
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    loop, scan = (m(tok, policy=rollout, scan_layers=s) for s in (False, True))
+
+    def same(a, b):  # codes, mantissa bits and routes exactly; scales and values to f32 ulps
+        a, b = np.asarray(a), np.asarray(b)
+        (close if np.issubdtype(a.dtype, np.floating) else np.testing.assert_array_equal)(a, b)
+
+    jax.tree.map(
+        same,
+        (loop.logits, loop.kv, loop.routes, loop.router_choice, loop.records),
+        (scan.logits, scan.kv, scan.routes, scan.router_choice, scan.records),
+    )
+    # codes at every site (dense layer 0: K, V; MoE layers 1-5: 4 sites), guidance at layers 3-5
+    assert len(scan.records) == 2 + 5 * 4 + 3 * 4
+    guidance = {k: v for k, v in loop.records.items() if not k.endswith(".codes")}
+
+    def loss(params, scan_layers):
+        out = nnx.merge(nnx.graphdef(m), params)(
+            tok, policy=trace, guidance=guidance, replay_routes=loop.routes, scan_layers=scan_layers
+        )
+        return jnp.mean(out.logits**2)
+
+    grads = [jax.grad(loss)(nnx.state(m), s) for s in (False, True)]
+    jax.tree.map(close, *grads)
+    assert float(jnp.abs(grads[1]["layers"][4]["mlp"]["gate_proj"][...]).sum()) > 0

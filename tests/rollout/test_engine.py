@@ -266,3 +266,32 @@ def test_engines_built_alike_share_programs_and_use_their_own_weights(model):
     a.update_params(other)
     np.testing.assert_array_equal(np.asarray(a.generate(PROMPTS, key).logprobs), np.asarray(got[1]))
     assert not np.array_equal(np.asarray(got[0]), np.asarray(got[1]))
+
+
+def test_a_scanned_prefill_gives_the_per_layer_engines_rollout(model, monkeypatch):
+    """``scan_layers``: the prefill runs alike layers as one scan over stacked weights and cache
+    states, the decode step per layer; tokens, log-probs, routes and guidance are the per-layer
+    engine's (codes exactly, floats to f32 ulps)."""
+    scanned = Transformer(CFG.replace(scan_layers=True), nnx.Rngs(0))  # the same weights
+    runs, scan_run = [], Transformer._scan_run
+    monkeypatch.setattr(
+        Transformer, "_scan_run", lambda self, *a: runs.append(a[:2]) or scan_run(self, *a)
+    )
+    policy, cfg = QuantPolicy.rollout(), RolloutConfig(**SHAPE, kv_cache="nvfp4")
+    states = []
+    for m in (model, scanned):
+        jax.clear_caches()
+        states.append(RolloutEngine(m, policy, cfg).generate(PROMPTS, jax.random.key(4)))
+    assert runs and all(r == (0, 2) or r == (2, 4) for r in runs)  # RTN half, recording half
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+    jax.tree.map(
+        same, dataclasses.replace(states[0], cache=None), dataclasses.replace(states[1], cache=None)
+    )
+    assert len(states[1].guidance) == 2 * 4

@@ -31,6 +31,10 @@ class ModelConfig:
     tie_word_embeddings: LM head shares the embedding matrix.
     param_dtype: storage dtype of the parameters (float32 master weights for training).
     dtype: compute dtype of activations.
+    scan_layers: run each run of consecutive alike layers (same kind, same site modes) as one
+      ``lax.scan`` over their stacked parameters: one compiled layer body per run instead of one
+      per layer, so compile time stops growing with depth. A compute choice, not architecture
+      (the parameters stay per layer); the rollout engine scans its prefill, not its decode step.
     """
 
     vocab_size: int = 256
@@ -54,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     param_dtype: DType = "float32"
     dtype: DType = "float32"
+    scan_layers: bool = False
 
     def __post_init__(self):
         positive = (
@@ -220,6 +225,7 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=384,
         param_dtype="float32",
         dtype="bfloat16",
+        scan_layers=True,
     ),
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151_936,

@@ -15,7 +15,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax.model import layers
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.policy import QuantPolicy, SiteContext, site_name
+from trace_jax.model.policy import ACT_SITES, KV_SITES, QuantPolicy, SiteContext, site_name
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
@@ -73,15 +73,17 @@ class Attention(nnx.Module):
         v, v_codes = sites.quantized(site_name(layer, "kv.v"), v, layer, "kv")
         return (k, v), (k_codes, v_codes)
 
-    def __call__(self, x, positions, mask, sites: SiteContext, layer: int, kv_access=None):
+    def __call__(
+        self, x, positions, mask, sites: SiteContext, layer: int, kv_access=None, kv_state=None
+    ):
         """Self-attention over the chunk, or over a KV cache through ``kv_access``.
 
         Args:
           x: [B, T, H]; positions: [B, T] int32.
           mask: [B, T, T] bool (used without a cache).
-          kv_access: None, or ``fn(layer, q [B, T, Hq, D], (k, v), (k_codes, v_codes),
-            positions) -> (out [B, T, Hq, D], new_state)`` that stores the chunk's K/V in a
-            cache and attends over it (see ``trace_jax.rollout``).
+          kv_access: None, or ``fn(kv_state, q [B, T, Hq, D], (k, v), (k_codes, v_codes),
+            positions) -> (out [B, T, Hq, D], new_state)`` that stores the chunk's K/V in this
+            layer's cache ``kv_state`` and attends over it (see ``trace_jax.rollout``).
         Returns:
           ([B, T, H], the chunk's (k, v) without a cache, else the hook's new state)
         """
@@ -94,7 +96,7 @@ class Attention(nnx.Module):
         q = layers.rope(q, positions, cfg.rope_theta)
         (k, v), codes = self.project_kv(x, positions, sites, layer)
         if kv_access is not None:
-            out, state = kv_access(layer, q, (k, v), codes, positions)
+            out, state = kv_access(kv_state, q, (k, v), codes, positions)
         else:
             out, state = layers.attention(q, k.astype(dt), v.astype(dt), mask), (k, v)
         return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), state
@@ -194,9 +196,11 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs, pd)
         self.layer = layer
 
-    def __call__(self, x, positions, mask, sites: SiteContext, replay=None, kv_access=None):
+    def __call__(
+        self, x, positions, mask, sites: SiteContext, replay=None, kv_access=None, kv_state=None
+    ):
         attn, kv = self.self_attn(
-            self.input_layernorm(x), positions, mask, sites, self.layer, kv_access
+            self.input_layernorm(x), positions, mask, sites, self.layer, kv_access, kv_state
         )
         x = x + attn
         hidden = self.post_attention_layernorm(x)
@@ -251,6 +255,8 @@ class Transformer(nnx.Module):
         guidance: dict[str, fp4.Guidance] | None = None,
         replay_routes: jax.Array | None = None,
         kv_access=None,
+        kv_states: tuple | None = None,
+        scan_layers: bool | None = None,
     ) -> ModelOutput:
         """Full forward over a batch of sequences.
 
@@ -262,7 +268,8 @@ class Transformer(nnx.Module):
           guidance: site name -> rollout ``Guidance`` for guided sites (shapes [B, T, ...]).
           replay_routes: [L_moe, B, T, k] recorded experts to replay (Rollout Routing Replay).
           kv_access: attend over a KV cache instead of the chunk alone (see ``Attention``); then
-            ``positions`` must be given.
+            ``positions`` and ``kv_states`` (one cache state per layer, alike pytrees) are given.
+          scan_layers: scan runs of alike layers (default: ``cfg.scan_layers``).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -276,15 +283,37 @@ class Transformer(nnx.Module):
                 f"replay_routes has shape {replay_routes.shape}; expected "
                 f"({len(moe_layers)}, {b}, {t}, {cfg.num_experts_per_tok}) for this batch"
             )
+        if kv_access is not None and (kv_states is None or len(kv_states) != cfg.num_layers):
+            raise ValueError(f"kv_access needs kv_states, one per layer ({cfg.num_layers})")
         sites = SiteContext(policy or QuantPolicy(), cfg.num_layers, guidance)
+        scan = cfg.scan_layers if scan_layers is None else scan_layers
         x = self.embed_tokens[...][tokens].astype(cfg.dtype)
         routes, choices, kvs = [], [], []
-        for layer in self.layers:
+        for start, stop in (
+            self._runs(sites) if scan else [(i, i + 1) for i in range(len(self.layers))]
+        ):
+            moe = [moe_layers.index(i) for i in range(start, stop) if i in moe_layers]
             replay = None
-            if replay_routes is not None and layer.is_moe:
-                replay = replay_routes[moe_layers.index(layer.layer)]
-            x, routing, kv = layer(x, positions, mask, sites, replay, kv_access)
-            kvs.append(kv)
+            if replay_routes is not None and moe:
+                replay = replay_routes[moe[0] : moe[-1] + 1]
+            states = None if kv_access is None else kv_states[start:stop]
+            if stop - start == 1:
+                x, routing, kv = self.layers[start](
+                    x,
+                    positions,
+                    mask,
+                    sites,
+                    None if replay is None else replay[0],
+                    kv_access,
+                    None if states is None else states[0],
+                )
+                routing = None if routing is None else [r[None] for r in routing]
+                kv = [kv]
+            else:
+                x, routing, kv = self._scan_run(
+                    start, stop, x, positions, mask, sites, replay, kv_access, states
+                )
+            kvs.extend(kv)
             if routing is not None:
                 routes.append(routing[0])
                 choices.append(routing[1])
@@ -295,8 +324,64 @@ class Transformer(nnx.Module):
         )
         return ModelOutput(
             logits=logits,
-            routes=jnp.stack(routes) if routes else None,
-            router_choice=jnp.stack(choices) if choices else None,
+            routes=jnp.concatenate(routes) if routes else None,
+            router_choice=jnp.concatenate(choices) if choices else None,
             records=sites.records,
             kv=tuple(kvs),
         )
+
+    def _runs(self, sites: SiteContext) -> list[tuple[int, int]]:
+        """[start, stop) runs of consecutive layers alike: same kind (MoE or dense) and the same
+        site modes under ``sites``' policy (so one traced body serves the whole run)."""
+
+        def kind(i):
+            return (self.layers[i].is_moe, sites.site_mode(i, "act"), sites.site_mode(i, "kv"))
+
+        runs, start = [], 0
+        for i in range(1, len(self.layers) + 1):
+            if i == len(self.layers) or kind(i) != kind(start):
+                runs.append((start, i))
+                start = i
+        return runs
+
+    def _scan_run(self, start, stop, x, positions, mask, sites, replay, kv_access, states):
+        """Layers ``start..stop-1`` as one ``lax.scan``: their parameters, guidance, replayed
+        routes and cache states stacked on a leading axis; the body is layer ``start`` (site
+        names of that layer inside, renamed per layer outside).
+
+        Returns (x [B, T, H], [routes, choices] each [n_moe, B, T, k] or None, per-layer kv)."""
+        graphdef = nnx.graphdef(self.layers[start])
+        params = _stack([nnx.state(self.layers[i]) for i in range(start, stop)])
+        prefix = [site_name(i, "") for i in range(start, stop)]
+        guided = [k for k in ("act", "kv") if sites.site_mode(start, k) == "guided"]
+        suffixes = [s for k in guided for s in (ACT_SITES if k == "act" else KV_SITES)]
+        suffixes = [s for s in suffixes if self.layers[start].is_moe or s in KV_SITES]
+        missing = [p + s for s in suffixes for p in prefix if p + s not in sites.guidance]
+        if missing:
+            raise KeyError(f"site {missing[0]} is guided but no guidance was given for it")
+        guidance = {s: _stack([sites.guidance[p + s] for p in prefix]) for s in suffixes}
+        xs = (params, guidance, replay, None if states is None else _stack(list(states)))
+
+        def body(x, xs):
+            layer_params, layer_guidance, layer_replay, state = xs
+            layer = nnx.merge(graphdef, layer_params)
+            inner = SiteContext(
+                sites.policy,
+                sites.num_layers,
+                {prefix[0] + s: g for s, g in layer_guidance.items()},
+            )
+            x, routing, kv = layer(x, positions, mask, inner, layer_replay, kv_access, state)
+            records = {n[len(prefix[0]) :]: r for n, r in inner.records.items()}
+            return x, (routing, kv, records)
+
+        x, (routing, kv, records) = jax.lax.scan(body, x, xs)
+        for s, r in records.items():
+            for j, p in enumerate(prefix):
+                sites.records[p + s] = jax.tree.map(lambda a, j=j: a[j], r)
+        kv = [jax.tree.map(lambda a, j=j: a[j], kv) for j in range(stop - start)]
+        return x, routing, kv
+
+
+def _stack(trees: list):
+    """Alike pytrees -> one pytree of arrays stacked on a new leading axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)

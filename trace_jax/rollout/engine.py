@@ -52,6 +52,9 @@ class RolloutConfig:
       append fused in the same way; other caches as "attention").
     code_rows: under a policy that records full codes (``record_codes``, for code metrics), how
       many sequences of a batch record them (evenly spaced, ``sampled_rows``); None: all.
+    scan_decode: with a model config that scans its layers (``scan_layers``), scan them in the
+      decode step too (the prefill always does): compile time independent of depth, but each
+      step then slices every layer's weights and cache out of stacked copies.
     """
 
     max_len: int = 256
@@ -64,6 +67,7 @@ class RolloutConfig:
     backend: Literal["xla", "pallas"] = "xla"
     kernels: tuple[Literal["moe", "attention", "attention_tc"], ...] = ("moe", "attention")
     code_rows: int | None = None
+    scan_decode: bool = False
 
     def __post_init__(self):
         if self.max_len <= 0 or self.max_new_tokens <= 0:
@@ -355,8 +359,7 @@ class RolloutEngine:
         )
         interpret = jax.default_backend() != "gpu"
 
-        def kv_access(layer, q, kv, codes, positions):
-            lc = cache.layers[layer]
+        def kv_access(lc, q, kv, codes, positions):
             if kernel:  # K and V written by the attention kernel's launch (fused append)
                 out, k_buf, v_buf = fp4_decode_attention.decode_attention_append(
                     q[:, 0],
@@ -378,7 +381,16 @@ class RolloutEngine:
             out = layers.attention(q, k_all, v_all, layers.causal_mask(positions, slots, kv_valid))
             return out, kv_cache.LayerCache(k_buf, v_buf)
 
-        out = model(tokens, positions=positions, policy=self.policy, kv_access=kv_access)
+        # Prefill chunks scan the layers when the model config says so (compile time); the
+        # decode step only if asked (each step would slice the weights and cache out of copies).
+        out = model(
+            tokens,
+            positions=positions,
+            policy=self.policy,
+            kv_access=kv_access,
+            kv_states=cache.layers,
+            scan_layers=self.model_cfg.scan_layers and (t > 1 or self.cfg.scan_decode),
+        )
         new_cache = kv_cache.KVCache(layers=out.kv, lengths=new_lengths, fmt=fmt)
         return out.logits, out.records, out.routes, new_cache
 
