@@ -146,6 +146,9 @@ class RLConfig:
     staleness: rollouts come from the parameters of this many versions ago; their samples are
       trained with their own guidance (TRACE.md section 4).
     rollout_backend: "auto" (Pallas kernels on a GPU, XLA elsewhere), "xla" or "pallas".
+    scan_decode: with a model that scans its layers (``scan_layers``, on in ``medium``), scan
+      them in the rollout's decode step too: compile time independent of depth, each decode
+      step slower (weights and cache sliced out of stacked copies; see ``RolloutConfig``).
     code_metrics_rows: sequences per step whose full rollout codes are recorded for the code
       metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none).
     diagnostic: record full codes of every sequence (code metrics over the whole batch).
@@ -192,6 +195,7 @@ class RLConfig:
     routing_replay: bool = True
     staleness: int = 0
     rollout_backend: Literal["auto", "xla", "pallas"] = "auto"
+    scan_decode: bool = False
     code_metrics_rows: int = 8
     diagnostic: bool = False
     ref_on_host: bool = False
@@ -401,6 +405,7 @@ class RLRun:
             fp4_weights=cfg.rollout == "fp4",
             backend=cfg.backend,
             code_rows=None if cfg.diagnostic else cfg.code_metrics_rows or None,
+            scan_decode=cfg.scan_decode,
         )
         self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
         # Greedy evaluation with the rollout's precision (and policy: its records are not used,
