@@ -237,3 +237,10 @@ def test_learning_rate_schedules_by_hand():
     warm = loop.learning_rate(2e-5, 4, "constant", 0)
     assert [float(warm(i)) for i in (0, 2, 4, 100)] == pytest.approx([0, 1e-5, 2e-5, 2e-5])
     assert float(loop.learning_rate(3e-3, 0, "constant", 0)(7)) == pytest.approx(3e-3)
+
+
+def test_scanned_layers_and_decode_reach_the_trainer_and_both_engines(tmp_path):
+    over = {"num_layers": 1, "dtype": "bfloat16", "scan_layers": True}
+    run = loop.RLRun(small(scan_decode=True, model_overrides=over), tmp_path, log=lambda *_: None)
+    assert run.engine.cfg.scan_decode and run.eval_engine.cfg.scan_decode
+    assert run.engine.model_cfg.scan_layers and run.trainer.cfg.scan_layers

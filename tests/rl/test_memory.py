@@ -24,6 +24,12 @@ def test_parts_by_hand():
     assert got["rollout engines (2)"] == 2 * ((n - experts) * 2 + experts * 9 // 16)
     # NVFP4 K and V per token, layer and head: D/2 code bytes + D/16 scales + a 4-byte scale
     assert got["KV cache"] == 2 * 12 * 8 * 70 * 2 * (64 + 8 + 4)
+    # medium scans its layers: the trainer stacks their f32 parameters and, backward, gradients
+    attn = 1024 * 128 * (16 * 2 + 2 * 2) + 2 * 128
+    layer = attn + 2 * 1024 + 1024 * 64 + experts // 12
+    assert got["scanned layer copies"] == 2 * 12 * layer * 4
+    unscanned = memory.plan(rl, MEDIUM.replace(scan_layers=False), max_len=70).parts
+    assert unscanned["scanned layer copies"] == 0
 
 
 def test_a_run_over_the_budget_is_refused_naming_it_and_the_knobs():

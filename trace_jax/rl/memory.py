@@ -4,7 +4,8 @@ minutes later inside a compiled step.
 
 The count is a lower bound: the arrays the run must hold at once (master parameters and AdamW
 moments, one gradient, the stale-parameter history, the KL reference, each rollout engine's own
-weights, the KV cache and rollout records of a batch, the trainer's logits and a minimum of
+weights, the stacked copies of the layers' parameters and gradients a scanned model
+(``scan_layers``) makes in the trainer, the KV cache and rollout records of a batch, the trainer's logits and a minimum of
 activations per token and layer). Compiled programs need more (temporaries, fragmentation); a
 run under the bound may still not fit, one over it cannot.
 """
@@ -42,6 +43,15 @@ def expert_params(cfg: ModelConfig) -> int:
     return len(cfg.moe_layers) * 3 * cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def layer_params(cfg: ModelConfig) -> int:
+    """The decoder layers' parameters (all but the embedding, the LM head and the final norm)."""
+    return (
+        cfg.num_params()
+        - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        - cfg.hidden_size
+    )
+
+
 def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
     """The lower bound of an ``RLConfig`` ``rl`` on model ``cfg`` with sequences of ``max_len``."""
     n = cfg.num_params()
@@ -71,6 +81,7 @@ def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
         "gradients": n * master,
         "stale parameters": rl.staleness * n * master,
         "KL reference": n * master if rl.loss.kl_coef > 0 and not rl.ref_on_host else 0,
+        "scanned layer copies": 2 * layer_params(cfg) * master if cfg.scan_layers else 0,
         "rollout engines (2)": 2 * engine,
         "KV cache": kv,
         "trainer activations": activations,
