@@ -6,8 +6,8 @@ The count is a lower bound: the arrays the run must hold at once (master paramet
 moments, one gradient, the stale-parameter history, the KL reference, each rollout engine's own
 weights, the stacked copies of the layers' parameters and gradients a scanned model
 (``scan_layers``) makes in the trainer, the KV cache and rollout records of a batch, the
-trainer's logits and a minimum of activations per token and layer). Compiled programs need more (temporaries, fragmentation); a
-run under the bound may still not fit, one over it cannot.
+trainer's logits and a minimum of activations per token and layer). Compiled programs need
+more (temporaries, fragmentation); a run under the bound may still not fit, one over it cannot.
 """
 
 from __future__ import annotations
