@@ -27,6 +27,8 @@ from trace_jax.model.hf import CheckpointError
 from trace_jax.rl import runlog
 
 ALLOW_CHANGE = "--allow-config-change"
+# Keys that change how long a process runs, not what the run computes: no change of settings.
+OPERATIONAL = ("time_limit_min",)
 # Errors whose message names what the user should fix: printed as one line, exit code 2.
 USER_ERRORS = (ConfigError, CheckpointError)
 
@@ -79,6 +81,7 @@ def check_run_dir(run_dir: Path, resolved: dict, allow_change: bool) -> list:
     settings, unless ``allow_change``. Returns the differences ``[(key, old, new)]``."""
     old = runlog.current_config(run_dir)
     diff = config_diff(old, resolved) if old is not None else []
+    diff = [d for d in diff if d[0] not in OPERATIONAL]
     if diff and not allow_change:
         raise ConfigError(
             f"{run_dir} was run with other settings ({format_diff(diff)}); use a new --run-dir, "

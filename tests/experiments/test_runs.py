@@ -108,9 +108,10 @@ def test_ctrl_c_resume_with_other_settings_and_the_summary(
 
     # Other settings: refused in one line naming the keys, before anything is written.
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    assert main([*args, "steps=3", "eval_problems=8"]) == 2
+    assert main([*args, "steps=3", "eval_problems=8", "time_limit_min=9"]) == 2
     line = one_line(capsys.readouterr().err)
     assert "eval_problems 4 -> 8, steps 2 -> 3" in line and "--allow-config-change" in line
+    assert "time_limit_min" not in line  # how long a process may run is not a setting
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
     # Allowed: config.yaml keeps the settings of steps 0-1; those of step 2 on are recorded.

@@ -5,6 +5,7 @@ aligned with what the environment said."""
 
 import dataclasses
 import json
+import time
 
 import jax
 import numpy as np
@@ -244,3 +245,28 @@ def test_scanned_layers_and_decode_reach_the_trainer_and_both_engines(tmp_path):
     run = loop.RLRun(small(scan_decode=True, model_overrides=over), tmp_path, log=lambda *_: None)
     assert run.engine.cfg.scan_decode and run.eval_engine.cfg.scan_decode
     assert run.engine.model_cfg.scan_layers and run.trainer.cfg.scan_layers
+
+
+def test_a_time_limited_run_ends_evaluated_and_checkpointed_and_resumes(tmp_path, monkeypatch):
+    """``time_limit_min``: the step after which another would not fit is the last (evaluated,
+    checkpointed); the same settings, limit or not, resume the run to its end."""
+    run = loop.RLRun(small(time_limit_min=1.0), tmp_path / "probe", log=lambda *_: None)
+    run.started, run.eval_s = time.monotonic() - 50, 5.0  # 50 s gone; an evaluation takes 5 s
+    assert not run._out_of_time(1.0) and run._out_of_time(4.0)  # 50 + 2 x step + 5 vs 60 s
+    assert not run._out_of_time(0.0)  # nothing timed yet: the first step always runs
+    real = loop.RLRun._out_of_time
+    monkeypatch.setattr(loop.RLRun, "_out_of_time", lambda self, s: bool(s) and s > 0)
+    logs = []
+    cfg = small(warm_start={"steps": 1, "batch": 4}, steps=2, eval_every=5, time_limit_min=1.0)
+    loop.RLRun(cfg, tmp_path / "run", log=logs.append).run()
+    raw = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in raw] == [0, 1] and "eval/reward" in raw[1]
+    assert logs[-1].startswith("time_limit_min: stopping after step 2 of 3")
+    monkeypatch.setattr(loop.RLRun, "_out_of_time", real)
+    loop.RLRun(dataclasses.replace(cfg, time_limit_min=0.0), tmp_path / "run").run()
+    raw = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in raw] == [0, 1, 2] and "eval/reward" in raw[2]

@@ -159,6 +159,9 @@ class RLConfig:
     eval_split: the split evaluated: "eval" (held out) or "train" (the first training problems;
       for tasks so small that a tiny model can only memorise them).
     checkpoint_every: checkpoint every this many steps (and at the end).
+    time_limit_min: wall-clock minutes this process may run (0: no limit): the step that would
+      leave too little time for another is the last, evaluated and checkpointed; the same
+      command resumes the run (this key does not count as a change of settings).
     guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
     mesh_data, mesh_expert: device mesh (data x expert): experts are split over ``expert``, the
       batch over ``data`` (1 x 1: one device).
@@ -204,6 +207,7 @@ class RLConfig:
     eval_problems: int = 64
     eval_split: Literal["eval", "train"] = "eval"
     checkpoint_every: int = 10
+    time_limit_min: float = 0.0
     guidance_host_bytes: int = 1 << 30
     mesh_data: int = 1
     mesh_expert: int = 1
@@ -221,6 +225,7 @@ class RLConfig:
             "staleness",
             "eval_problems",
             "guidance_host_bytes",
+            "time_limit_min",
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
@@ -332,6 +337,7 @@ class RLRun:
     exists in ``run_dir``)."""
 
     def __init__(self, cfg: RLConfig, run_dir: str | Path, *, log=print):
+        self.started, self.eval_s = time.monotonic(), 0.0  # for time_limit_min
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.log = log
@@ -430,9 +436,11 @@ class RLRun:
         n = self.cfg.eval_problems
         if n == 0:
             return {}
+        t0 = time.monotonic()
         self.eval_engine.update_params(self.trainer.model(params), version=step)
         problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
         _, rewards = self.rollout(self.eval_engine, problems, self._key(step, 2))
+        self.eval_s = time.monotonic() - t0
         return {"eval/reward": float(np.mean(rewards))}
 
     def _place(self, tree, batch_axis: int = 0):
@@ -546,9 +554,19 @@ class RLRun:
             if self.cfg.ref_on_host:
                 self.ref_params = jax.device_put(self.ref_params, jax.devices("cpu")[0])
 
-    def _step(self, step: int, state: TrainState, history: list, streams: dict, cache):
+    def _out_of_time(self, step_s: float) -> bool:
+        """Whether, after a step of ``step_s`` seconds, another (and an evaluation) may not fit
+        in ``time_limit_min``: the coming step is then the last of this process."""
+        limit = self.cfg.time_limit_min * 60
+        if not limit or not step_s:
+            return False
+        elapsed = time.monotonic() - self.started
+        return elapsed + 2 * step_s + self.eval_s > limit
+
+    def _step(self, step: int, state: TrainState, history: list, streams: dict, cache, last=False):
         """Step ``step`` of the run: a warm-start update, or an RL step (the first one takes
-        the policy RL starts from). Returns (state, history, metrics)."""
+        the policy RL starts from; the ``last`` one is evaluated). Returns (state, history,
+        metrics)."""
         cfg = self.cfg
         if step < cfg.warm_start.steps:
             state, m = self.warm_start_step(state, next(streams["sft_stream"]))
@@ -572,7 +590,7 @@ class RLRun:
         state, m = self.rl_step(state, rollout_params, step, problems, cache)
         m.update(before)
         rl_done = step - cfg.warm_start.steps + 1
-        if rl_done % cfg.eval_every == 0 or step == cfg.warm_start.steps + cfg.steps - 1:
+        if rl_done % cfg.eval_every == 0 or last:
             m.update(self.evaluate(state.params, step))
         return state, history, m
 
@@ -613,18 +631,29 @@ class RLRun:
         progress = runlog.Progress(total, "train", start=start)
         last: dict[str, float] = {}
         try:  # a failing or interrupted run still closes its files (checkpoints stay)
+            step_s = 0.0  # the last step's seconds, for time_limit_min
             for step in range(start, total):
-                state, history, m = self._step(step, state, history, streams, cache)
+                t0 = time.monotonic()
+                out_of_time = self._out_of_time(step_s)
+                last = step == total - 1 or out_of_time
+                state, history, m = self._step(step, state, history, streams, cache, last)
+                step_s = time.monotonic() - t0
                 logger.write(step, m)
                 last = m
                 info = " ".join(
                     f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m
                 )
                 progress.update(step + 1, info)
-                if (step + 1) % cfg.checkpoint_every == 0 or step == total - 1:
+                if (step + 1) % cfg.checkpoint_every == 0 or last:
                     meta = {name: stream.get_state() for name, stream in streams.items()}
                     ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
-            if cfg.steps == 0:  # a warm start only: its result is the policy others start from
+                if out_of_time and step < total - 1:
+                    self.log(
+                        f"time_limit_min: stopping after step {step + 1} of {total} (checkpoint "
+                        f"saved; the same command resumes)"
+                    )
+                    break
+            if cfg.steps == 0 and step == total - 1:  # a warm start only: others start from it
                 self._start_policy(state.params)
         finally:
             cache.close()
