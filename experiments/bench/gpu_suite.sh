@@ -48,6 +48,7 @@ STEPS=(
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
+  "rl-learn-medium|590|$RUN $MEDIUM time_limit_min=8.7 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
   "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"
 )
 
@@ -69,6 +70,12 @@ for s in "${STEPS[@]}"; do
   rc=$?
   secs=$(($(date +%s) - start))
   tail -n 25 "$OUT/$name.log"
+  # The runs' records come back (the machine's disk does not outlive the call); checkpoints stay.
+  for d in runs/*/; do
+    [ -f "$d/metrics.jsonl" ] || continue
+    mkdir -p "$OUT/runs/$(basename "$d")"
+    cp "$d"/*.jsonl "$d"/*.json "$d"/*.yaml "$d"/*.png "$OUT/runs/$(basename "$d")/" 2>/dev/null
+  done
   summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
 done
 echo
