@@ -33,6 +33,11 @@ OPERATIONAL = ("time_limit_min",)
 USER_ERRORS = (ConfigError, CheckpointError)
 
 
+def settings_diff(old: dict, new: dict) -> list:
+    """``config_diff`` without the ``OPERATIONAL`` keys (at any depth)."""
+    return [d for d in config_diff(old, new) if d[0].rsplit(".", 1)[-1] not in OPERATIONAL]
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says where its last checkpoint is."""
 
@@ -80,8 +85,7 @@ def check_run_dir(run_dir: Path, resolved: dict, allow_change: bool) -> list:
     """Refuse (``ConfigError``, one line) a run directory whose steps were made with other
     settings, unless ``allow_change``. Returns the differences ``[(key, old, new)]``."""
     old = runlog.current_config(run_dir)
-    diff = config_diff(old, resolved) if old is not None else []
-    diff = [d for d in diff if d[0] not in OPERATIONAL]
+    diff = settings_diff(old, resolved) if old is not None else []
     if diff and not allow_change:
         raise ConfigError(
             f"{run_dir} was run with other settings ({format_diff(diff)}); use a new --run-dir, "

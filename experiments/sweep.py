@@ -31,6 +31,7 @@ import dataclasses
 import fnmatch
 import gc
 import itertools
+import json
 import sys
 import traceback
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from typing import Any, Literal
 
 import yaml
 
-from trace_jax.config import ConfigError, config_diff, format_diff, load_yaml, to_dict
+from trace_jax.config import ConfigError, format_diff, load_yaml, to_dict
 from trace_jax.rl import runlog
 
 SWEEP_FILE = "sweep.yaml"
@@ -166,8 +167,10 @@ def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
 
 
 def cell_state(run_dir: Path) -> CellState:
-    """done (``results.json``), failed (``error.txt``), partial (started) or todo."""
-    if (run_dir / "results.json").is_file():
+    """done (``results.json`` of a complete run), failed (``error.txt``), partial (started, or
+    ended early by ``time_limit_min``) or todo."""
+    results = run_dir / "results.json"
+    if results.is_file() and json.loads(results.read_text()).get("complete", True):
         return "done"
     if (run_dir / ERROR_FILE).is_file():
         return "failed"
@@ -179,7 +182,9 @@ def finished(run_dir: Path, cell: Cell) -> bool:
     of the sweep, a finished cell with other settings is continued with the new ones)."""
     if cell_state(run_dir) != "done":
         return False
-    return not config_diff(runlog.current_config(run_dir) or {}, resolved(cell))
+    from experiments.runner import settings_diff
+
+    return not settings_diff(runlog.current_config(run_dir) or {}, resolved(cell))
 
 
 def resolved(cell: Cell) -> dict[str, Any]:
@@ -188,7 +193,7 @@ def resolved(cell: Cell) -> dict[str, Any]:
 
 def check_record(sweep: Sweep, allow_change: bool) -> list:
     """Refuse (one line) a sweep directory made by another sweep, unless ``allow_change``."""
-    from experiments.runner import ALLOW_CHANGE
+    from experiments.runner import ALLOW_CHANGE, settings_diff
 
     file = sweep.sweep_dir / SWEEP_FILE
     if not file.is_file():
@@ -196,7 +201,7 @@ def check_record(sweep: Sweep, allow_change: bool) -> list:
     old = yaml.safe_load(file.read_text()) or {}
     new = sweep.record()
     keys = ("base_config", "grid", "warm_start_dir")
-    diff = config_diff({k: old.get(k) for k in keys}, {k: new[k] for k in keys})
+    diff = settings_diff({k: old.get(k) for k in keys}, {k: new[k] for k in keys})
     if diff and not allow_change:
         raise ConfigError(
             f"{sweep.sweep_dir} was swept with other settings ({format_diff(diff)}); use another "

@@ -116,9 +116,12 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         assert steps == [0, 1]
     assert not (sweep_dir / CELLS[3] / "error.txt").exists()
 
-    # Other settings for the same folder: refused in one line, before anything runs.
+    # Other settings for the same folder: refused in one line, before anything runs; a time
+    # limit is not another setting (the cells stay done).
     assert main(["sweep", path, "steps=3"]) == 2
     assert "base_config.steps 2 -> 3" in one_line(capsys.readouterr().err)
+    assert main(["sweep", path, "time_limit_min=5", "--dry-run"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["done"] * 5
 
     # The report: mean ± sd over the two seeds of each mode, from the metrics files.
     assert main(["report", str(sweep_dir)]) == 0
@@ -156,3 +159,12 @@ def plt_imread(path: Path) -> np.ndarray:
     import matplotlib.image
 
     return matplotlib.image.imread(path)
+
+
+def test_a_run_ended_by_its_time_limit_is_a_partial_cell(tmp_path):
+    from experiments.sweep import cell_state
+
+    (tmp_path / "results.json").write_text(json.dumps({"complete": False, "records": 3}))
+    assert cell_state(tmp_path) == "partial"
+    (tmp_path / "results.json").write_text(json.dumps({"complete": True, "records": 5}))
+    assert cell_state(tmp_path) == "done"

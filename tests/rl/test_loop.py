@@ -258,14 +258,16 @@ def test_a_time_limited_run_ends_evaluated_and_checkpointed_and_resumes(tmp_path
     monkeypatch.setattr(loop.RLRun, "_out_of_time", lambda self, s: bool(s) and s > 0)
     logs = []
     cfg = small(warm_start={"steps": 1, "batch": 4}, steps=2, eval_every=5, time_limit_min=1.0)
-    loop.RLRun(cfg, tmp_path / "run", log=logs.append).run()
+    assert loop.RLRun(cfg, tmp_path / "run", log=logs.append).run()["complete"] is False
     raw = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in raw] == [0, 1] and "eval/reward" in raw[1]
     assert logs[-1].startswith("time_limit_min: stopping after step 2 of 3")
     monkeypatch.setattr(loop.RLRun, "_out_of_time", real)
-    loop.RLRun(dataclasses.replace(cfg, time_limit_min=0.0), tmp_path / "run").run()
+    assert loop.RLRun(dataclasses.replace(cfg, time_limit_min=0.0), tmp_path / "run").run()[
+        "complete"
+    ]
     raw = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]

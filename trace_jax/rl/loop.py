@@ -632,12 +632,13 @@ class RLRun:
         last: dict[str, float] = {}
         try:  # a failing or interrupted run still closes its files (checkpoints stay)
             step_s = 0.0  # the last step's seconds, for time_limit_min
+            done = start  # steps done
             for step in range(start, total):
                 t0 = time.monotonic()
                 out_of_time = self._out_of_time(step_s)
                 last = step == total - 1 or out_of_time
                 state, history, m = self._step(step, state, history, streams, cache, last)
-                step_s = time.monotonic() - t0
+                step_s, done = time.monotonic() - t0, step + 1
                 logger.write(step, m)
                 last = m
                 info = " ".join(
@@ -653,7 +654,7 @@ class RLRun:
                         f"saved; the same command resumes)"
                     )
                     break
-            if cfg.steps == 0 and step == total - 1:  # a warm start only: others start from it
+            if cfg.steps == 0 and done == total:  # a warm start only: others start from it
                 self._start_policy(state.params)
         finally:
             cache.close()
@@ -663,7 +664,7 @@ class RLRun:
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
         if cfg.plot and records:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
-        return {"last": last, "records": len(records)}
+        return {"last": last, "records": len(records), "complete": done == total}
 
 
 def _restore_policy(path: str, model: Transformer) -> None:
