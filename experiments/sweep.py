@@ -16,8 +16,9 @@ file's) first runs the base config's warm start alone (``steps=0``) into ``warm_
 ``warm_start.steps=0 init_checkpoint=<warm_start_dir>``, into ``<sweep_dir>/<cell>``
 (``fp4_trace-seed0``),
 one after another in this process through the same path as ``run`` (config checks, summary,
-``results.json``). A cell is done when its ``results.json`` exists; a sweep started again skips
-done cells and resumes a partial one from its checkpoints. A cell that fails with an error that
+``results.json``). A cell is done when its ``results.json`` exists and is not of a run that
+``time_limit_min`` ended early; a sweep started again skips done cells and resumes a partial
+one from its checkpoints. A cell that fails with an error that
 is not the user's (a crash, out of memory) leaves ``error.txt`` with its traceback and the sweep
 goes on; it is tried again on the next start. ``<sweep_dir>/sweep.yaml`` records the resolved
 sweep; a start with another base, overrides or grid is refused, in one line naming the keys,
