@@ -441,7 +441,7 @@ def _variants(engine_spec: Engine, hits: set) -> dict[str, list]:
     def neither(q, k, v, new_k, new_v, lengths, **kw):
         return jnp.zeros_like(q), k, v
 
-    def argmax_sample(logits, key, cfg):
+    def argmax_sample(logits, key, cfg, greedy=None):
         return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros(logits.shape[:1], jnp.float32)
 
     def einsums(spec, fn):

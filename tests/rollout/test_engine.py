@@ -88,6 +88,15 @@ def test_generation_is_deterministic_given_the_key_and_greedy_is_argmax(model):
     gen = np.asarray(g.generated)
     pred = np.asarray(jnp.argmax(out.logits, -1))[:, :-1]
     np.testing.assert_array_equal(np.asarray(g.tokens)[:, 1:][gen[:, 1:]], pred[gen[:, 1:]])
+    # Greedy as a runtime flag: the same tokens and log-probs, through the sampling engine's
+    # compiled programs (the evaluation engine of an RL run shares the rollout's so).
+    flag = RolloutEngine(model, QuantPolicy.bf16(), cfg, greedy=True)
+    assert flag == eng
+    compiled = RolloutEngine._decode._cache_size()
+    f = flag.generate(PROMPTS, jax.random.key(9))
+    assert RolloutEngine._decode._cache_size() == compiled
+    for a, b in ((f.tokens, g.tokens), (f.logprobs, g.logprobs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_stop_tokens_end_each_sequence_separately(model):

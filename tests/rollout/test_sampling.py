@@ -54,3 +54,15 @@ def test_greedy_takes_the_argmax_with_its_untempered_log_prob():
 def test_bad_sampling_settings_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
         SamplingConfig(**kw)
+
+
+def test_a_greedy_flag_per_row_takes_the_argmax_rows_and_leaves_the_others_sampled():
+    logits = jax.random.normal(jax.random.key(0), (6, 40)) * 3
+    cfg, key = SamplingConfig(temperature=0.7, top_p=0.9), jax.random.key(1)
+    rows = jnp.asarray([True, False, True, False, False, True])
+    tokens, logprobs = sample(logits, key, cfg, rows)
+    want_g = sample(logits, key, SamplingConfig(temperature=0.0))
+    want_s = sample(logits, key, cfg)
+    for got, g, s in zip((tokens, logprobs), want_g, want_s, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.where(rows, g, s))
+    assert not np.array_equal(np.asarray(want_g[0])[~rows], np.asarray(want_s[0])[~rows])

@@ -414,10 +414,9 @@ class RLRun:
             scan_decode=cfg.scan_decode,
         )
         self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
-        # Greedy evaluation with the rollout's precision (and policy: its records are not used,
-        # but a batch of the rollout's size then shares the rollout's compiled prefill).
-        greedy = dataclasses.replace(rollout_cfg, sampling=SamplingConfig(temperature=0.0))
-        self.eval_engine = RolloutEngine(model, self.rollout_policy, greedy)
+        # Greedy evaluation with the rollout's precision, config and policy (its records are not
+        # used): batches of the rollout's size run the rollout's compiled programs.
+        self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
 
@@ -439,7 +438,14 @@ class RLRun:
         t0 = time.monotonic()
         self.eval_engine.update_params(self.trainer.model(params), version=step)
         problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
-        _, rewards = self.rollout(self.eval_engine, problems, self._key(step, 2))
+        # In batches of the rollout's size (the last one filled up with repeats, not counted).
+        size = self.cfg.prompts_per_step * self.cfg.group_size
+        rewards = []
+        for i in range(0, n, size):
+            chunk = [problems[(i + j) % n] for j in range(size)]  # the last one wraps around
+            key = jax.random.fold_in(self._key(step, 2), i)
+            _, got = self.rollout(self.eval_engine, chunk, key)
+            rewards.extend(got[: min(size, n - i)])
         self.eval_s = time.monotonic() - t0
         return {"eval/reward": float(np.mean(rewards))}
 

@@ -219,7 +219,12 @@ class RolloutEngine:
     """Generates with FP4 (or BF16) weights, activations and KV cache; a small interface:
     ``update_params``, ``start``, ``append``, ``decode``, ``generate``."""
 
-    def __init__(self, model: Transformer, policy: QuantPolicy, cfg: RolloutConfig):
+    def __init__(
+        self, model: Transformer, policy: QuantPolicy, cfg: RolloutConfig, *, greedy=False
+    ):
+        """``greedy``: decode by argmax whatever ``cfg.sampling`` says, as a runtime flag (not
+        part of the compiled programs' key: a greedy evaluation engine runs the programs of the
+        sampling engine of its config)."""
         if cfg.kv_cache in ("nvfp4", "mxfp4") and (
             policy.kv not in ("rtn", "record") or policy.fmt != cfg.kv_cache
         ):
@@ -230,6 +235,7 @@ class RolloutEngine:
             )
         self.cfg = cfg
         self.policy = policy
+        self.greedy = greedy
         self.model_cfg = model.cfg
         self.version = -1
         self._record_shapes: dict[int, dict] = {}  # batch -> records of a one-token step
@@ -456,7 +462,7 @@ class RolloutEngine:
         return dataclasses.replace(state, done=jnp.zeros_like(state.done))
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-    def _decode(self, state_params, state: RolloutState, key):
+    def _decode(self, state_params, state: RolloutState, key, greedy):
         cfg = self.cfg
         stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         budget_end = jnp.minimum(state.lengths + cfg.max_new_tokens, cfg.max_len)
@@ -469,7 +475,7 @@ class RolloutEngine:
         def body(carry):
             step, st, key = carry
             key, sub = jax.random.split(key)
-            token, logprob = sample(st.last_logits, sub, cfg.sampling)
+            token, logprob = sample(st.last_logits, sub, cfg.sampling, greedy)
             live = ~st.done
             token = jnp.where(live, token, cfg.pad_token)
             st = self._append(
@@ -487,7 +493,7 @@ class RolloutEngine:
 
         Sequences whose ``state.done`` is set are left as they are (``append`` clears it; a
         multi-turn driver sets it for finished episodes before decoding the next turn)."""
-        return self._decode(self.state, state, key)
+        return self._decode(self.state, state, key, jnp.asarray(self.greedy))
 
     def generate(self, prompts: list[list[int]], key: jax.Array) -> RolloutState:
         """Prefill ``prompts`` (token id lists of any lengths) and decode."""

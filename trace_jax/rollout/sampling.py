@@ -77,12 +77,14 @@ def scored_logits(logits: jax.Array, tokens: jax.Array, cfg: SamplingConfig) -> 
     return jnp.where(scored, tempered, dist)
 
 
-def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig):
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, greedy=None):
     """Draw one token per row.
 
     Args:
       logits: [B, V] float32.
       key: PRNG key.
+      greedy: None, or a traced bool (scalar or [B]): where True, the argmax and its log-prob
+        under the untempered softmax, as ``temperature: 0`` (one program serves both).
     Returns:
       (tokens [B] int32, logprobs [B] float32 of those tokens under the sampled distribution)
     """
@@ -91,5 +93,9 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig):
         tokens = jnp.argmax(dist, axis=-1)
     else:
         tokens = jax.random.categorical(key, dist, axis=-1)
+    if greedy is not None and cfg.temperature != 0:
+        argmax = sampling_logits(logits, SamplingConfig(temperature=0.0))
+        tokens = jnp.where(greedy, jnp.argmax(argmax, axis=-1), tokens)
+        dist = jnp.where(jnp.reshape(greedy, (-1, 1)), argmax, dist)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), tokens[:, None], -1)[:, 0]
     return tokens.astype(jnp.int32), logprobs
