@@ -176,10 +176,12 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
             # post-hoc quantization (ptq_eval): greedy eval reward per policy
             for policy, reward in (results.get("ptq_eval_reward") or {}).items():
                 summary[f"ptq/{policy}"] = float(reward)
-            cell.update(records=records, summary=summary)
+            cell.update(records=records, summary=summary, start=results.get("start_policy_sha256"))
             modes.setdefault(cell["mode"], []).append(name)
         cells[name] = cell
-    return {"sweep": sweep, "modes": modes, "cells": cells}
+    ws = Path(sweep.get("warm_start_dir") or sweep_dir / "warm_start") / "results.json"
+    start = json.loads(ws.read_text()).get("start_policy_sha256") if ws.is_file() else None
+    return {"sweep": sweep, "modes": modes, "cells": cells, "warm_start": start}
 
 
 def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -223,7 +225,7 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         f"# Sweep `{sweep_dir}`",
         "",
         f"Base `{sweep.get('base')}` with overrides `{' '.join(sweep.get('overrides') or [])}`; "
-        f"grid `{json.dumps(sweep.get('grid'))}`; every cell starts RL from `warm_start/`.",
+        f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)}",
         "",
         "Mean ± sample sd over the n finished seeds. Eval reward: greedy, on the "
         f"{'/'.join(splits)} split, before RL (start) and at the last evaluation (end). Train "
@@ -252,6 +254,24 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
     lines += ["", "Cells not finished (left out above): " + (", ".join(unfinished) or "none") + "."]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures), ""]
     return "\n".join(lines)
+
+
+def starts(data: Mapping) -> str:
+    """Whether the finished cells started RL from the warm start's parameters, by their
+    ``start_policy_sha256`` (bit-identical parameters have equal digests)."""
+    ws = data.get("warm_start")
+    done = {n: c.get("start") for n, c in data["cells"].items() if c["state"] == "done"}
+    other = sorted(n for n, d in done.items() if d is None or d != ws)
+    if ws and not other:
+        return (
+            f"Every finished cell started RL from the warm start's parameters (sha256 `{ws[:16]}`)."
+        )
+    return (
+        "**Not every cell started RL from the warm start's parameters** (sha256 "
+        f"`{(ws or 'unknown')[:16]}`): "
+        + ", ".join(f"`{n}` (`{(done[n] or 'unknown')[:16]}`)" for n in other)
+        + "."
+    )
 
 
 def _cell(stat: Mapping[str, float] | None) -> str:

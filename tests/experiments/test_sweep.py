@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 
 from experiments.__main__ import main
 from experiments.sweep import load_sweep
+from trace_jax.model import ModelConfig, Transformer, params_digest, restore_params
 from trace_jax.rl import loop, runlog
 
 CELLS = ["fp4_trace-seed0", "fp4_trace-seed1", "fp4_trace_all-seed0", "fp4_trace_all-seed1"]
@@ -149,10 +151,33 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         row = next(line for line in table.splitlines() if line.startswith(f"| {mode} | 2 |"))
         logp = agg[mode]["mismatch/logp_abs/last_fifth"]
         assert f"{logp['mean']:.4g} ± {logp['sd']:.2g}" in row
+    # Every cell's RL started from the warm start's parameters, checked by digest, not assumed.
+    start = json.loads((sweep_dir / "warm_start" / "results.json").read_text())
+    start = start["start_policy_sha256"]
+    assert start == params_digest(restore_params(sweep_dir / "warm_start" / "policy", tiny_model()))
+    assert (
+        f"Every finished cell started RL from the warm start's parameters (sha256 `{start[:16]}`)"
+        in table
+    )
+    results = sweep_dir / CELLS[1] / "results.json"
+    results.write_text(
+        json.dumps({**json.loads(results.read_text()), "start_policy_sha256": "f" * 64})
+    )
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r2")]) == 0
+    flagged = (tmp_path / "r2" / "report.md").read_text()
+    assert "**Not every cell started RL from the warm start's parameters**" in flagged
+    assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
     for name in ("eval_reward", "mismatch", "codes", "mismatch_by_layer", "timing"):
         assert f"![{name}]({name}.png)" in table
         image = plt_imread(out_dir / f"{name}.png")
         assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0
+
+
+def tiny_model() -> Transformer:
+    """A model of the sweep's config (conftest.SMALL), to restore its policies into."""
+    return Transformer(
+        ModelConfig.preset("tiny").replace(num_layers=1, dtype="bfloat16"), nnx.Rngs(0)
+    )
 
 
 def plt_imread(path: Path) -> np.ndarray:

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from trace_jax.model import ModelConfig, Transformer
-from trace_jax.model.checkpoint import restore_params, save_params
+from trace_jax.model.checkpoint import params_digest, restore_params, save_params
 
 
 def test_params_round_trip_exactly(tmp_path):
@@ -20,6 +20,12 @@ def test_params_round_trip_exactly(tmp_path):
     for x, y in zip(a, b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # equal parameters, equal digests; one bit of one element changes it
+    assert params_digest(saved) == params_digest(restored)
+    assert params_digest(saved) != params_digest(Transformer(cfg, nnx.Rngs(1)))
+    w = restored.layers[0].mlp.router
+    w[...] = w[...].at[0, 0].set(jax.lax.nextafter(w[...][0, 0], w[...][0, 0] + 1))
+    assert params_digest(saved) != params_digest(restored)
 
 
 def test_restoring_from_a_missing_folder_names_it(tmp_path):

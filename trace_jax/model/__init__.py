@@ -1,6 +1,6 @@
 """The policy model: Qwen3-MoE family in Flax NNX with named quantization sites."""
 
-from trace_jax.model.checkpoint import restore_params, save_params
+from trace_jax.model.checkpoint import params_digest, restore_params, save_params
 from trace_jax.model.config import PRESETS, ModelConfig
 from trace_jax.model.hf import (
     CheckpointError,
@@ -25,6 +25,7 @@ __all__ = [
     "hf_config",
     "load_hf_checkpoint",
     "make_mesh",
+    "params_digest",
     "read_hf_params",
     "restore_params",
     "save_hf_checkpoint",

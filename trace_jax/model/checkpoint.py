@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -43,3 +45,18 @@ def restore_params(path: str | Path, model: nnx.Module) -> nnx.Module:
         ) from e
     nnx.update(model, state)
     return model
+
+
+def params_digest(model_or_params) -> str:
+    """SHA-256 (hex) of a model's parameters (or a parameter pytree): every leaf's path, dtype,
+    shape and bytes in tree order, so equal digests mean bit-identical parameters (two runs that
+    claim one starting policy can be checked)."""
+    params = model_or_params
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        a = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()

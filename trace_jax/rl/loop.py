@@ -48,6 +48,7 @@ from trace_jax.model import (
     Transformer,
     load_hf_checkpoint,
     make_mesh,
+    params_digest,
     restore_params,
     save_params,
     shard_model,
@@ -338,6 +339,7 @@ class RLRun:
 
     def __init__(self, cfg: RLConfig, run_dir: str | Path, *, log=print):
         self.started, self.eval_s = time.monotonic(), 0.0  # for time_limit_min
+        self.start_digest = None  # sha256 of the parameters RL starts from (``_start_policy``)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.log = log
@@ -554,6 +556,7 @@ class RLRun:
         path = self.run_dir / "policy"
         if not path.exists():
             save_params(path, self.trainer.model(params))
+        self.start_digest = params_digest(params)  # in results.json: runs' starts compared
         if self.cfg.loss.kl_coef > 0:
             ref = restore_params(path, self.trainer.model(_copy(params)))
             self.ref_params = nnx.state(ref, nnx.Param)
@@ -670,7 +673,12 @@ class RLRun:
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
         if cfg.plot and records:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
-        return {"last": last, "records": len(records), "complete": done == total}
+        return {
+            "last": last,
+            "records": len(records),
+            "complete": done == total,
+            "start_policy_sha256": self.start_digest,
+        }
 
 
 def _restore_policy(path: str, model: Transformer) -> None:
