@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import jax
+from jax._src import xla_bridge
 
 from experiments.registry import Experiment, get_experiment
 from trace_jax.config import (
@@ -31,6 +35,23 @@ ALLOW_CHANGE = "--allow-config-change"
 OPERATIONAL = ("time_limit_min",)
 # Errors whose message names what the user should fix: printed as one line, exit code 2.
 USER_ERRORS = (ConfigError, CheckpointError)
+
+
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+
+
+def deterministic_flags(flags: str, started: bool, backend) -> str:
+    """``XLA_FLAGS`` with XLA's deterministic GPU ops (``deterministic: true``). XLA reads its
+    flags when the backend starts: a GPU backend started without them cannot honour the key
+    (``ConfigError``); the CPU's ops are deterministic already. ``backend()``: the platform."""
+    if DETERMINISTIC in flags.split():
+        return flags
+    if started and backend() == "gpu":
+        raise ConfigError(
+            f"deterministic: the GPU backend started before XLA_FLAGS could get {DETERMINISTIC}; "
+            "set it in XLA_FLAGS before starting"
+        )
+    return f"{flags} {DETERMINISTIC}".strip()
 
 
 def settings_diff(old: dict, new: dict) -> list:
@@ -105,6 +126,12 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     resolved = {"experiment": exp.name, **to_dict(cfg)}
     existed = run_dir.exists()
     diff = check_run_dir(run_dir, resolved, allow_change)
+    if getattr(cfg, "deterministic", False):
+        os.environ["XLA_FLAGS"] = deterministic_flags(
+            os.environ.get("XLA_FLAGS", ""),
+            xla_bridge.backends_are_initialized(),
+            lambda: jax.default_backend(),
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if diff or runlog.current_config(run_dir) is None:
         first = runlog.record_config(run_dir, resolved)

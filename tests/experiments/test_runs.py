@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from experiments.__main__ import main, resolve
+from trace_jax.config import ConfigError
 from trace_jax.rl import loop, runlog
 
 
@@ -260,3 +261,14 @@ def test_ptq_eval_evaluates_bf16_and_ptq_on_the_same_split(tmp_path, monkeypatch
     results = rl.ptq_eval(cfg, tmp_path / "run")
     assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (max6)"}
     assert splits and set(splits) == {"train"}
+
+
+def test_deterministic_sets_xlas_flag_before_the_gpu_starts_and_refuses_after():
+    from experiments.runner import DETERMINISTIC, deterministic_flags
+
+    assert deterministic_flags("", False, lambda: "gpu") == DETERMINISTIC
+    assert deterministic_flags("--xla_a=1", False, lambda: "gpu") == f"--xla_a=1 {DETERMINISTIC}"
+    assert deterministic_flags(DETERMINISTIC, True, lambda: "gpu") == DETERMINISTIC
+    assert deterministic_flags("", True, lambda: "cpu") == DETERMINISTIC  # CPU: deterministic
+    with pytest.raises(ConfigError, match=r"deterministic: the GPU backend started before"):
+        deterministic_flags("", True, lambda: "gpu")

@@ -160,6 +160,9 @@ class RLConfig:
     eval_split: the split evaluated: "eval" (held out) or "train" (the first training problems;
       for tasks so small that a tiny model can only memorise them).
     checkpoint_every: checkpoint every this many steps (and at the end).
+    deterministic: XLA's deterministic GPU ops (``--xla_gpu_deterministic_ops``, set by the
+      entry point before the GPU starts): a warm start repeated on another machine gives
+      bit-identical parameters (compare ``start_policy_sha256``); scatter-adds are slower.
     time_limit_min: wall-clock minutes this process may run (0: no limit): the step that would
       leave too little time for another is the last, evaluated and checkpointed; the same
       command resumes the run (this key does not count as a change of settings).
@@ -209,6 +212,7 @@ class RLConfig:
     eval_split: Literal["eval", "train"] = "eval"
     checkpoint_every: int = 10
     time_limit_min: float = 0.0
+    deterministic: bool = False
     guidance_host_bytes: int = 1 << 30
     mesh_data: int = 1
     mesh_expert: int = 1
