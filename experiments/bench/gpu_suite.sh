@@ -71,10 +71,13 @@ for s in "${STEPS[@]}"; do
   secs=$(($(date +%s) - start))
   tail -n 25 "$OUT/$name.log"
   # The runs' records come back (the machine's disk does not outlive the call); checkpoints stay.
-  for d in runs/*/; do
-    [ -f "$d/metrics.jsonl" ] || continue
-    mkdir -p "$OUT/runs/$(basename "$d")"
-    cp "$d"/*.jsonl "$d"/*.json "$d"/*.yaml "$d"/*.png "$OUT/runs/$(basename "$d")/" 2>/dev/null
+  find runs -name metrics.jsonl 2>/dev/null | while read -r m; do
+    d=$(dirname "$m")
+    mkdir -p "$OUT/$d"
+    cp "$d"/*.jsonl "$d"/*.json "$d"/*.yaml "$d"/*.png "$d"/*.txt "$OUT/$d/" 2>/dev/null
+  done
+  for f in $(find runs -name sweep.yaml -o -name report.md 2>/dev/null); do
+    mkdir -p "$OUT/$(dirname "$f")" && cp "$f" "$OUT/$f"
   done
   summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
 done
