@@ -36,6 +36,16 @@ def main():
     assert logits.sharding.spec[0] == "data", logits.sharding
     np.testing.assert_array_equal(np.asarray(routes), np.asarray(want_routes))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+    # Layers scanned over the same sharded parameters (stacked per run, experts still split).
+    scanned = nnx.merge(*nnx.split(sharded))
+    scanned.cfg = cfg.replace(scan_layers=True)
+    assert "scan" in str(
+        jax.make_jaxpr(lambda t: scanned(t, policy=QuantPolicy.qat()).logits)(tokens)
+    )
+    with jax.set_mesh(mesh):
+        logits, routes = forward(scanned, jax.device_put(tokens, batch_sharding(mesh)))
+    np.testing.assert_array_equal(np.asarray(routes), np.asarray(want_routes))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
     print("sharded forward OK", float(jnp.abs(logits - want_logits).max()))
 
 
