@@ -489,8 +489,10 @@ def profile(model, engine_spec: Engine, cfg: ModelConfig, args, batch: int) -> l
     for name, patches in _variants(engine_spec, hits := set()).items():
         hits.clear()
         # Engines built alike share compiled programs: each variant must be traced anew with
-        # its stand-in, so no program of the last one is kept.
-        jax.clear_caches()
+        # its stand-in, so the engine's steps keep no program of the last one (the process's
+        # other programs stay: a stand-in is reached only from these steps, checked below).
+        RolloutEngine._append.clear_cache()
+        RolloutEngine._decode.clear_cache()
         with _patched(patches):
             eng = RolloutEngine(model, engine_spec.policy, rollout)
             t = time_window(eng, batch, position, args.repeats, args.seed)
