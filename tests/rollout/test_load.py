@@ -18,7 +18,8 @@ from trace_jax.model.hf import save_hf_checkpoint
 from trace_jax.rollout import RolloutConfig, RolloutEngine, load
 from trace_jax.rollout.engine import prepack_expert_weights, quantize_expert_weights
 
-CFG = ModelConfig.preset("tiny")
+# 2 layers: building the rollout form runs eagerly, layer by layer
+CFG = ModelConfig.preset("tiny").replace(num_layers=2)
 POLICY = QuantPolicy.rollout("nvfp4")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
 SHAPE = dict(max_len=24, max_new_tokens=8)  # tests/rollout/test_engine.py's engine shape
