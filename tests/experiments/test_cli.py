@@ -110,14 +110,35 @@ SMALL_RL = [
 
 
 @pytest.mark.slow
-def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys):
+def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys, monkeypatch):
+    from trace_jax.rl import loop
+    from trace_jax.rl.tasks_io import TaskIO
+
+    # The post-hoc evaluation after RL evaluates BF16 and PTQ on eval_split (here the training
+    # problems): the splits of the problems built after RL ended are recorded.
+    splits, real_problem, real_run = [], TaskIO.problem, loop.RLRun.run
+
+    def problem(self, split, index):
+        splits.append(split)
+        return real_problem(self, split, index)
+
+    def run_then_record(self):
+        out = real_run(self)
+        splits.clear()
+        return out
+
+    monkeypatch.setattr(TaskIO, "problem", problem)
+    monkeypatch.setattr(loop.RLRun, "run", run_then_record)
     runs = []
     for config, extra in [
         (
             "configs/long_horizon/fp4_trace.yaml",
             ["max_turns=3", "task.args.max_turns=3", "task.args.min_path=2", "eval_problems=0"],
         ),
-        ("configs/reasoning/ptq_eval.yaml", ["ptq_scale_rules=[four_over_six]"]),
+        (
+            "configs/reasoning/ptq_eval.yaml",
+            ["ptq_scale_rules=[four_over_six]", "eval_split=train"],
+        ),
     ]:
         run_dir = tmp_path / config.replace("/", "_")
         assert main(["run", config, *SMALL_RL, *extra, "--run-dir", str(run_dir)]) == 0, config
@@ -129,6 +150,7 @@ def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys):
         (tmp_path / "configs_reasoning_ptq_eval.yaml" / "results.json").read_text()
     )
     assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
+    assert splits and set(splits) == {"train"}
     assert results["summary"]["rl_steps"] == 2
     assert main(["compare", *runs, "--out", str(tmp_path / "cmp.png")]) == 0
     out = capsys.readouterr().out

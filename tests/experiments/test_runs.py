@@ -232,37 +232,6 @@ def test_summarize_is_a_hand_computation():
     assert "train reward (sampled), last 2 of 10 RL steps" in table
 
 
-@pytest.mark.slow
-def test_ptq_eval_evaluates_bf16_and_ptq_on_the_same_split(tmp_path, monkeypatch, small_yaml):
-    from experiments.pipelines import rl
-    from trace_jax.rl.tasks_io import TaskIO
-
-    # Only the evaluation after RL is looked at: RL itself is skipped (its parameters: init),
-    # and the problems built before it (sizing sequences from both splits) are not counted.
-    splits = []
-
-    def no_rl(self):
-        self.final_state = self.trainer.init()
-        splits.clear()
-        return {}
-
-    real_problem = TaskIO.problem
-
-    def problem(self, split, index):
-        splits.append(split)
-        return real_problem(self, split, index)
-
-    monkeypatch.setattr(loop.RLRun, "run", no_rl)
-    monkeypatch.setattr(TaskIO, "problem", problem)
-    _, cfg = resolve(
-        small_yaml(experiment="ptq_eval"),
-        ["eval_split=train", "ptq_scale_rules=[max6]", "staleness=0", "diagnostic=false"],
-    )
-    results = rl.ptq_eval(cfg, tmp_path / "run")
-    assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (max6)"}
-    assert splits and set(splits) == {"train"}
-
-
 def test_deterministic_sets_xlas_flag_before_the_gpu_starts_and_refuses_after():
     from experiments.runner import DETERMINISTIC, deterministic_flags
 
