@@ -48,7 +48,7 @@ STEPS=(
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
-  "rl-learn-medium|590|$RUN $MEDIUM time_limit_min=8.7 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
+  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=8.2 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
   "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"
 )
 
@@ -70,15 +70,11 @@ for s in "${STEPS[@]}"; do
   rc=$?
   secs=$(($(date +%s) - start))
   tail -n 25 "$OUT/$name.log"
-  # The runs' records come back (the machine's disk does not outlive the call); checkpoints stay.
-  find runs -name metrics.jsonl 2>/dev/null | while read -r m; do
-    d=$(dirname "$m")
-    mkdir -p "$OUT/$d"
-    cp "$d"/*.jsonl "$d"/*.json "$d"/*.yaml "$d"/*.png "$d"/*.txt "$OUT/$d/" 2>/dev/null
-  done
-  for f in $(find runs -name sweep.yaml -o -name report.md 2>/dev/null); do
-    mkdir -p "$OUT/$(dirname "$f")" && cp "$f" "$OUT/$f"
-  done
+  # The runs' records come back as one archive (the machine's disk does not outlive the call, and
+  # the device tool returns at most 8 files); checkpoints stay.
+  records=$(find runs \( -name '*.jsonl' -o -name '*.json' -o -name '*.yaml' -o -name '*.png' \
+    -o -name '*.txt' -o -name 'report.md' \) -not -path '*/policy/*' -not -path '*/checkpoints/*' -not -path '*/guidance_spill/*' 2>/dev/null)
+  [ -n "$records" ] && tar czf "$OUT/runs.tgz" $records
   summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
 done
 echo
