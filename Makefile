@@ -12,9 +12,11 @@ PYTHON311 ?= $(call find_python,python3.11,3.11)
 VENV := .venv
 REF_VENV := .venv-ref
 PY := $(VENV)/bin/python
-# The independent reference implementations (torch/torchao) live in their own environment so that
-# the package never depends on torch; the machine's local CPU build of torch is for Python 3.11.
-REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5 transformers==5.23.0 safetensors==0.8.0
+# The independent reference implementations (torch, torchao, transformers, compressed-tensors) live
+# in their own environment so that the package never depends on torch; the machine's local CPU
+# build of torch is for Python 3.11.
+REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5 transformers==5.23.0 safetensors==0.8.0 \
+	compressed-tensors==0.20.1
 
 .PHONY: run test lint pytest ref-env clean
 

@@ -34,7 +34,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ import safetensors.numpy
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from trace_jax import fp4
 from trace_jax.config import ConfigError
+from trace_jax.model import compressed
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.sharding import DEFAULT_RULES, logical_to_spec
 from trace_jax.model.transformer import Transformer
@@ -224,9 +226,13 @@ def hub_tensors(cfg: ModelConfig, fused_layers: frozenset[int] = frozenset()) ->
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
+    """A stored tensor; ``packed``: an FP4 weight (compressed-tensors layout) standing in for
+    the dequantized float32 tensor it names."""
+
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    packed: compressed.PackedWeight | None = None
 
 
 def _checkpoint_entries(folder: Path) -> dict[str, _Entry]:
@@ -259,7 +265,31 @@ def _checkpoint_entries(folder: Path) -> dict[str, _Entry]:
     for key, name in weight_map.items():
         if key not in entries or entries[key].file.name != name:
             raise CheckpointError(f"{index} maps tensor {key!r} to {name}, which does not hold it")
-    return entries
+    return _with_packed_weights(folder, entries)
+
+
+def _with_packed_weights(folder: Path, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """``entries`` with each FP4 weight's stored parts (``X.weight_packed``, ...) replaced by
+    one ``X.weight`` entry of its dequantized shape (``compressed``)."""
+    if not any(k.endswith("." + compressed.PACKED) for k in entries):
+        return entries
+    config = folder / CONFIG
+    try:
+        fmt = compressed.checkpoint_format(_read_json(config, "the model config"), config)
+        if fmt is None:
+            raise compressed.LayoutError(
+                f"{folder} holds packed FP4 tensors but {config} has no quantization_config"
+            )
+        weights = compressed.group_packed(entries, fmt, compressed.read_exact_global_scales(folder))
+    except compressed.LayoutError as e:
+        raise CheckpointError(str(e)) from None
+    parts = {name for w in weights.values() for name, _ in w.parts}
+    out = {k: e for k, e in entries.items() if k not in parts}
+    for name, w in weights.items():
+        if name in out:
+            raise CheckpointError(f"tensor {name!r} is stored both plain and packed in {folder}")
+        out[name] = _Entry(dict(w.parts)[f"{w.module}.{compressed.PACKED}"], w.shape, "F32", w)
+    return out
 
 
 def _fused_layers(cfg: ModelConfig, entries: dict[str, _Entry]) -> frozenset[int]:
@@ -369,7 +399,9 @@ def read_hf_params(
     return nnx.from_flat_state([(p, var.replace(arrays[p])) for p, var in variables.items()])
 
 
-def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, np.ndarray]]:
+def iter_hf_params(
+    path: str | Path, cfg: ModelConfig, *, packed: str | None = None
+) -> Iterator[tuple[Path_, np.ndarray | fp4.QTensor]]:
     """Read a hub checkpoint folder parameter by parameter, on the host.
 
     Yields (flat parameter path of ``Transformer(cfg)``, its value in our layout as a numpy array
@@ -378,6 +410,10 @@ def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, 
     Nothing is placed on a device: the caller decides what each parameter becomes there (the
     rollout's layer-by-layer build quantizes the experts of one layer at a time). Checks and
     errors as ``read_hf_params``.
+
+    ``packed``: "nvfp4" or "mxfp4": routed experts stored in this FP4 format (compressed-tensors
+    layout) are yielded as they are stored, one stacked ``fp4.QTensor`` per weight (the
+    rollout's form, ``compressed.qtensors``); other FP4 weights are dequantized.
     """
     folder = Path(path)
     entries = _checkpoint_entries(folder)
@@ -394,9 +430,21 @@ def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, 
     by_file: dict[Path, list[_Tensor]] = {}
     for t in tensors:
         by_file.setdefault(entries[t.name].file, []).append(t)
+    stored: dict[Path_, dict[int, compressed.PackedWeight]] = {}
     for file, file_tensors in by_file.items():
         with safetensors.safe_open(file, framework="numpy") as f:
             for t in file_tensors:
+                pw = entries[t.name].packed
+                s = t.slots[0]
+                if pw is not None and pw.fmt.name == packed and s.expert is not None:
+                    stored.setdefault(s.param, {})[s.expert] = pw
+                    pending[s.param] -= 1
+                    if pending[s.param] == 0:
+                        experts = stored.pop(s.param)
+                        if len(experts) != shapes[s.param][0]:
+                            raise _partly_packed(folder, s.param)
+                        yield s.param, compressed.qtensors([experts[e] for e in sorted(experts)])
+                    continue
                 x = _get_tensor(f, t.name, entries[t.name], file)
                 for s in t.slots:
                     if s.expert is None:
@@ -410,6 +458,8 @@ def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, 
                         value = buf
                     pending[s.param] -= 1
                     if pending[s.param] == 0:
+                        if s.param in stored:
+                            raise _partly_packed(folder, s.param)
                         buffers.pop(s.param, None)
                         yield s.param, value
                 del x
@@ -417,16 +467,21 @@ def iter_hf_params(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[Path_, 
         _check_tied_copy(entries, folder)
 
 
+def _partly_packed(folder: Path, param: Path_) -> CheckpointError:
+    name = ".".join(map(str, param))
+    return CheckpointError(f"{folder}: the experts of {name} are stored partly packed, partly not")
+
+
 def checkpoint_config(path: str | Path) -> ModelConfig:
     """The ``ModelConfig`` of a hub checkpoint folder's ``config.json``, with parameters and
     compute in the checkpoint's stored dtype (float32 or bfloat16), as ``load_hf_checkpoint``
-    takes it by default."""
-    hf = json.loads((Path(path) / CONFIG).read_text())
-    stored = _stored_dtype(hf)
-    return ModelConfig.from_hf(hf, param_dtype=stored, dtype=stored)
+    takes it by default. A missing or faulty file is a ``CheckpointError`` naming it."""
+    return _config_of(Path(path))
 
 
 def _get_tensor(f, name: str, entry: _Entry, file: Path) -> np.ndarray:
+    if entry.packed is not None:
+        return compressed.dequantize(entry.packed)
     unsupported = CheckpointError(
         f"tensor {name!r} in {file} is {entry.dtype}, which this safetensors version does not "
         f"return as {_DTYPES[entry.dtype]} through its numpy API; upgrade safetensors"
@@ -605,11 +660,41 @@ def save_hf_checkpoint(
     Returns:
       the safetensors files written.
     """
+    folder = new_weights_folder(path)
+    params = _checked_params(model_or_state, cfg)
+    tensors = hub_tensors(cfg)
+    out_dtype = None if dtype is None else np.dtype(jax.numpy.dtype(dtype))
+
+    def itemsize(t: _Tensor) -> int:
+        return (out_dtype or np.dtype(params[t.slots[0].param].dtype)).itemsize
+
+    sizes = [math.prod(t.shape) * itemsize(t) for t in tensors]
+    written = write_shards(
+        folder,
+        sizes,
+        lambda shard: hub_arrays([tensors[i] for i in shard], params, out_dtype),
+        max_shard_bytes,
+        total_parameters=sum(math.prod(t.shape) for t in tensors),
+    )
+    save_dtype = dtype or jax.numpy.dtype(params[("embed_tokens",)].dtype).name
+    config = hf_config(cfg.replace(param_dtype=save_dtype), base_config)
+    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return written
+
+
+def new_weights_folder(path: str | Path) -> Path:
+    """``path`` created; a ``FileExistsError`` naming it if it holds weights already."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     stale = sorted(folder.glob("model*.safetensors*"))
     if stale:
         raise FileExistsError(f"{folder} already holds weights ({stale[0].name}); use a new folder")
+    return folder
+
+
+def _checked_params(model_or_state: nnx.Module | nnx.State, cfg: ModelConfig) -> dict[Path_, Any]:
+    """The flat parameters of ``model_or_state``; a ``CheckpointError`` naming a parameter that
+    is missing or mis-shaped for ``cfg``."""
     params = _flat_params(model_or_state)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
     expected = {p: tuple(v.shape) for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
@@ -623,13 +708,22 @@ def save_hf_checkpoint(
                 f"parameter {name} has shape {list(params[p].shape)}; expected "
                 f"{list(expected[p])} for this model configuration"
             )
-    tensors = hub_tensors(cfg)
-    out_dtype = None if dtype is None else np.dtype(jax.numpy.dtype(dtype))
+    return params
 
-    def itemsize(t: _Tensor) -> int:
-        return (out_dtype or np.dtype(params[t.slots[0].param].dtype)).itemsize
 
-    sizes = [math.prod(t.shape) * itemsize(t) for t in tensors]
+def write_shards(
+    folder: Path,
+    sizes: list[int],
+    arrays: Callable[[list[int]], Iterator[tuple[str, np.ndarray]]],
+    max_shard_bytes: int,
+    *,
+    total_parameters: int,
+) -> list[Path]:
+    """Write tensors ``0..len(sizes)-1`` (``sizes[i]`` bytes each, in this order) as
+    ``model.safetensors``, or above ``max_shard_bytes`` as numbered shards with an index.
+
+    ``arrays(indices)`` yields (name, contiguous array) for the tensors of one shard; a tensor is
+    never split. Returns the files written."""
     shards = _plan_shards(sizes, max_shard_bytes)
     names = (
         [SAFE_WEIGHTS]
@@ -638,27 +732,21 @@ def save_hf_checkpoint(
     )
     written, weight_map = [], {}
     for shard, name in zip(shards, names, strict=True):
-        tensors_out = dict(_hub_arrays([tensors[i] for i in shard], params, out_dtype))
+        tensors_out = dict(arrays(shard))
         safetensors.numpy.save_file(tensors_out, folder / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors_out, name))
         written.append(folder / name)
         del tensors_out
     if len(shards) > 1:
         index = {
-            "metadata": {
-                "total_size": sum(sizes),
-                "total_parameters": sum(math.prod(t.shape) for t in tensors),
-            },
+            "metadata": {"total_size": sum(sizes), "total_parameters": total_parameters},
             "weight_map": dict(sorted(weight_map.items())),
         }
         (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    save_dtype = dtype or jax.numpy.dtype(params[("embed_tokens",)].dtype).name
-    config = hf_config(cfg.replace(param_dtype=save_dtype), base_config)
-    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return written
 
 
-def _hub_arrays(
+def hub_arrays(
     tensors: list[_Tensor], params: dict[Path_, Any], out_dtype: np.dtype | None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, contiguous hub-layout array) per tensor; each parameter is copied to the host once

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.layouts import prepack_grouped
+from trace_jax import fp4
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, hf, layers
 from trace_jax.model.transformer import DecoderLayer
 from trace_jax.rollout.engine import RolloutConfig, pack_expert_weight
@@ -81,7 +83,9 @@ def load_rollout_model(
     """A hub checkpoint folder (``model.safetensors`` or a sharded index) loaded straight into
     its rollout form: parameters are read one at a time (``hf.iter_hf_params``), each put on
     the device as it completes and a layer's routed experts packed as soon as they have all
-    arrived, so neither the host nor the device holds the whole BF16 model.
+    arrived, so neither the host nor the device holds the whole BF16 model. Routed experts
+    stored in the policy's FP4 format (an exported policy, ``trace_jax.model.export``) are
+    taken as stored: their codes and scales, bit for bit, not quantized again.
 
     Args and result as ``hf.load_hf_checkpoint`` (``cfg`` default: the folder's
     ``config.json``, ``dtype`` overriding its parameter dtype), with the experts packed as
@@ -93,7 +97,9 @@ def load_rollout_model(
         cfg = cfg.replace(param_dtype=dtype)
     quantize, prepack = expert_packing(policy, rollout)
     pack = _packer(cfg, policy, quantize, prepack)
-    values = ((p, pack(p, jax.device_put(v))) for p, v in hf.iter_hf_params(path, cfg))
+    stored = policy.fmt if quantize else None
+    params = hf.iter_hf_params(path, cfg, packed=stored)
+    values = ((p, pack(p, jax.device_put(v))) for p, v in params)
     return cfg, _assemble(_abstract(cfg), values)
 
 
@@ -102,7 +108,9 @@ def _packer(
 ) -> Callable[[Path_, jax.Array], object]:
     experts = {("layers", i, "mlp", n) for i in cfg.moe_layers for n in _EXPERT_WEIGHTS}
 
-    def pack(path: Path_, value: jax.Array):
+    def pack(path: Path_, value: jax.Array | fp4.QTensor):
+        if isinstance(value, fp4.QTensor):  # stored in the policy's format already
+            return prepack_grouped(value) if prepack else value
         if quantize and path in experts:
             return jax.block_until_ready(pack_expert_weight(value, policy, prepack=prepack))
         return value
