@@ -1,9 +1,10 @@
 """Entry point: ``python -m experiments run configs/<name>.yaml key=value ...``.
 
 Commands: ``run`` (one config into a run directory), ``list``, ``compare`` (several run
-directories), ``sweep`` (a grid of runs from one shared warm start) and ``report`` (a sweep's
-tables and figures). Every error a user can cause ends in one line on stderr naming the file or
-key, exit code 2; Ctrl-C ends in one line naming the last checkpoint, exit code 130.
+directories), ``sweep`` (a grid of runs from one shared warm start), ``report`` (a sweep's
+tables and figures) and ``export`` (a policy as an FP4 Hugging Face folder for vLLM / SGLang).
+Every error a user can cause ends in one line on stderr naming the file or key, exit code 2;
+Ctrl-C ends in one line naming the last checkpoint, exit code 130.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def parser() -> argparse.ArgumentParser:
     rep_p = sub.add_parser("report", help="tables and figures of a sweep directory")
     rep_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")
     rep_p.add_argument("--out", default=None, help="output folder (default <sweep_dir>/report)")
+    exp_p = sub.add_parser("export", help="write a policy as an FP4 Hugging Face folder")
+    exp_p.add_argument(
+        "source", help="a run directory, <run>/policy, <run>/checkpoints/<step> or a HF folder"
+    )
+    exp_p.add_argument("--format", required=True, help="nvfp4 or mxfp4 (compressed-tensors)")
+    exp_p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    exp_p.add_argument(
+        "--keep-bf16",
+        default="",
+        help="MoE layers whose experts stay BF16: comma-separated first, last or layer indices",
+    )
+    exp_p.add_argument(
+        "--shared-gate-up-scale",
+        action="store_true",
+        help="one global scale per expert for gate and up (vLLM's fused w13 uses the gate's); "
+        "their codes then follow that scale, not the rollout's",
+    )
     return p
 
 
@@ -97,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "sweep":
             return sweep_command(args)
+        if args.command == "export":
+            from experiments.export import export_command
+
+            return export_command(args)
         return run_command(args)
     except USER_ERRORS as e:
         kind = "checkpoint error" if isinstance(e, CheckpointError) else "config error"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from trace_jax.model import CheckpointError
@@ -67,3 +68,39 @@ class RunCheckpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def read_policy_params(folder: str | Path) -> dict[tuple[str, ...], np.ndarray]:
+    """The model parameters of one checkpoint, read alone into host memory: a run checkpoint
+    (``<run>/checkpoints/<step>``: its train state's parameters, without the optimizer state,
+    the stale versions and the metadata) or a ``save_params`` folder (``<run>/policy``).
+
+    Returns:
+      flat path of strings (``("layers", "0", "mlp", "gate_proj")``) -> numpy array, in the
+      stored dtype. Raises ``CheckpointError`` naming the folder when it is not such a
+      checkpoint.
+    """
+    folder = Path(folder).absolute()
+    run_step = (folder / "tree").is_dir()
+    tree_dir = folder / "tree" if run_step else folder
+    try:
+        with ocp.PyTreeCheckpointer() as ckpt:
+            stored = ckpt.metadata(tree_dir).item_metadata.tree
+            params = stored[0]["params"] if run_step else stored
+            item = params
+            if run_step:  # everything but the parameters is skipped
+                item = jax.tree.map(lambda _: ocp.PLACEHOLDER, stored)
+                item[0]["params"] = params
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            out = ckpt.restore(tree_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
+    except Exception as e:  # orbax and tensorstore raise many types; all mean "not readable"
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(
+            f"{folder}: not a readable parameter checkpoint ({type(e).__name__}: {first})"
+        ) from None
+    flat = {}
+    restored = out[0]["params"] if run_step else out
+    for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        keys = tuple(str(k.key) for k in path)
+        flat[keys[:-1] if keys[-1] == "value" else keys] = leaf
+    return flat
