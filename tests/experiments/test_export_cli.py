@@ -2,6 +2,7 @@
 the ``policy/`` RL started from) goes out with the rollout's FP4 codes; bad input is one line."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,9 @@ def test_user_errors_are_one_line_and_exit_2(run_dir, tmp_path, capsys, one_line
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("")
+    damaged = tmp_path / "damaged"
+    (damaged / "policy").mkdir(parents=True)
+    shutil.copyfile(run / "config.yaml", damaged / "config.yaml")
     cases = [
         ([str(tmp_path / "nowhere")], "does not exist"),
         ([str(tmp_path)], "is not one: expected a run directory"),
@@ -82,6 +86,7 @@ def test_user_errors_are_one_line_and_exit_2(run_dir, tmp_path, capsys, one_line
         ([str(run), "--out", str(full)], "exists and is not an empty folder"),
         ([str(run / "checkpoints" / "9")], "no such checkpoint (the run has steps [3])"),
         ([str(formats)], "is a run of 'fp4_formats', which trains no policy"),
+        ([str(damaged)], "policy: not a readable parameter checkpoint"),
     ]
     for args, message in cases:
         if "--format" not in args:

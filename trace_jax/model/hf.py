@@ -25,6 +25,10 @@ at the stored dtype is bit-exact. Reading goes tensor by tensor through ``safete
 (memory-mapped), filling preallocated parameters; a parameter is handed to JAX (and placed on its
 mesh sharding) as soon as its last tensor has arrived, so host memory beyond the parameters is one
 tensor at a time.
+
+Folders with FP4 weights in the compressed-tensors layout (``compressed``; ``export`` writes
+them) are read too: each weight dequantized as the format defines it, or, with
+``iter_hf_params(..., packed=fmt)``, routed experts kept as the stored codes and scales.
 """
 
 from __future__ import annotations

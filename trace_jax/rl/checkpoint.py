@@ -83,21 +83,25 @@ def read_policy_params(folder: str | Path) -> dict[tuple[str, ...], np.ndarray]:
     folder = Path(folder).absolute()
     run_step = (folder / "tree").is_dir()
     tree_dir = folder / "tree" if run_step else folder
+    # the handler alone: a run checkpoint's tree/ has no checkpointer metadata of its own
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        with ocp.PyTreeCheckpointer() as ckpt:
-            stored = ckpt.metadata(tree_dir).item_metadata.tree
-            params = stored[0]["params"] if run_step else stored
-            item = params
-            if run_step:  # everything but the parameters is skipped
-                item = jax.tree.map(lambda _: ocp.PLACEHOLDER, stored)
-                item[0]["params"] = params
-            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-            out = ckpt.restore(tree_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
+        stored = handler.metadata(tree_dir).tree
+        params = stored[0]["params"] if run_step else stored
+        item = params
+        if run_step:  # everything but the parameters is skipped
+            item = jax.tree.map(lambda _: ocp.PLACEHOLDER, stored)
+            item[0]["params"] = params
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        restore = ocp.args.PyTreeRestore(item=item, restore_args=args)
+        out = handler.restore(tree_dir, args=restore)
     except Exception as e:  # orbax and tensorstore raise many types; all mean "not readable"
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(
             f"{folder}: not a readable parameter checkpoint ({type(e).__name__}: {first})"
         ) from None
+    finally:
+        handler.close()
     flat = {}
     restored = out[0]["params"] if run_step else out
     for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
