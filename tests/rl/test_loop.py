@@ -64,7 +64,14 @@ class Killed(Exception):
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
     cfg = small(**HARD)
+    saved, real_save = [], loop.RunCheckpointer.save
+    monkeypatch.setattr(
+        loop.RunCheckpointer,
+        "save",
+        lambda self, step, *a: [saved.append(step), real_save(self, step, *a)],
+    )
     loop.RLRun(cfg, tmp_path / "a", log=lambda *_: None).run()
+    assert saved == [1, 3]  # every checkpoint_every steps and the last one, no more
     text = (tmp_path / "a" / "metrics.jsonl").read_text()
     raw = [json.loads(line) for line in text.splitlines()]
     want = records(tmp_path / "a")

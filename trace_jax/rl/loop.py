@@ -649,8 +649,8 @@ class RLRun:
             for step in range(start, total):
                 t0 = time.monotonic()
                 out_of_time = self._out_of_time(step_s)
-                last = step == total - 1 or out_of_time
-                state, history, m = self._step(step, state, history, streams, cache, last)
+                final = step == total - 1 or out_of_time  # evaluated and checkpointed
+                state, history, m = self._step(step, state, history, streams, cache, final)
                 step_s, done = time.monotonic() - t0, step + 1
                 logger.write(step, m)
                 last = m
@@ -658,7 +658,7 @@ class RLRun:
                     f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m
                 )
                 progress.update(step + 1, info)
-                if (step + 1) % cfg.checkpoint_every == 0 or last:
+                if (step + 1) % cfg.checkpoint_every == 0 or final:
                     meta = {name: stream.get_state() for name, stream in streams.items()}
                     ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
                 if out_of_time and step < total - 1:
