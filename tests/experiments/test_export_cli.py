@@ -16,8 +16,8 @@ from experiments.__main__ import main
 from experiments.runner import resolve_data
 from tests.experiments.conftest import SMALL
 from trace_jax.config import to_dict
-from trace_jax.model import Transformer, save_params
-from trace_jax.model.hf import iter_hf_params
+from trace_jax.model import QuantPolicy, Transformer, save_params
+from trace_jax.model.hf import iter_hf_params, save_hf_checkpoint
 from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.loop import model_config, rollout_policy
 from trace_jax.rl.trainer import TrainState
@@ -43,12 +43,12 @@ def run_dir(tmp_path_factory):
     ckpt = RunCheckpointer(run / "checkpoints")
     ckpt.save(3, (TrainState(p, optax.adamw(1e-3).init(p), jnp.int32(3)), [p]), {"next_step": 4})
     ckpt.close()
-    return run, cfg, mcfg, flat(start), flat(trained)
+    return run, cfg, mcfg, flat(start), flat(trained), start
 
 
 @pytest.mark.parametrize("which", ["run", "policy"])
 def test_export_writes_the_policys_rollout_codes(run_dir, tmp_path, capsys, which):
-    run, cfg, mcfg, start, trained = run_dir
+    run, cfg, mcfg, start, trained, _ = run_dir
     source, params = (run, trained) if which == "run" else (run / "policy", start)
     out = tmp_path / "out"
     assert main(["export", str(source), "--format", "nvfp4", "--out", str(out)]) == 0
@@ -65,6 +65,30 @@ def test_export_writes_the_policys_rollout_codes(run_dir, tmp_path, capsys, whic
         else:  # BF16
             bf16 = np.asarray(jnp.asarray(value, jnp.bfloat16).astype(jnp.float32))
             np.testing.assert_array_equal(back[path], bf16)
+
+
+def test_a_hf_folder_exports_with_its_tokenizer_and_an_export_again_as_stored(
+    run_dir, tmp_path, capsys
+):
+    _, _, mcfg, start, _, model = run_dir
+    source = tmp_path / "hf"
+    save_hf_checkpoint(model, mcfg, source)
+    tokenizer = {"tokenizer.json": '{"model": {}}', "tokenizer_config.json": '{"eos_token": "x"}'}
+    for name, text in tokenizer.items():
+        (source / name).write_text(text)
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main(["export", str(source), "--format", "nvfp4", "--out", str(first)]) == 0
+    assert main(["export", str(first), "--format", "nvfp4", "--out", str(again)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokenizer: tokenizer.json, tokenizer_config.json") == 2
+    for name, text in tokenizer.items():
+        assert (again / name).read_text() == text
+    stored = dict(iter_hf_params(again, mcfg, packed="nvfp4"))
+    for path, value in start.items():
+        if path[-1] in ("gate_proj", "up_proj", "down_proj"):  # quantized once, then kept
+            expect = jax.device_get(pack_expert_weight(value, QuantPolicy.rollout("nvfp4")))
+            for x, y in zip(jax.tree.leaves(stored[path]), jax.tree.leaves(expect), strict=True):
+                np.testing.assert_array_equal(np.asarray(x).view(np.uint8), y.view(np.uint8))
 
 
 def test_user_errors_are_one_line_and_exit_2(run_dir, tmp_path, capsys, one_line):
