@@ -58,7 +58,8 @@ from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.losses import LossConfig, group_advantages
 from trace_jax.rl.trainer import RLBatch, Trainer, TrainState
 from trace_jax.rollout import RolloutConfig, RolloutEngine, RolloutState, SamplingConfig
-from trace_jax.tasks import prompt_stream
+from trace_jax.tasks import TOKENIZER, Tokenizer, prompt_stream
+from trace_jax.tasks.hf_tokenizer import load_hf_tokenizer
 
 TrainMode = Literal["bf16", "qat", "trace", "trace_all"]
 
@@ -122,7 +123,8 @@ class RLConfig:
     task: which task and its knobs.
     model: a ``ModelConfig`` preset (random init), unless ``hf_checkpoint`` is set.
     model_overrides: ``ModelConfig`` fields to change (e.g. ``{num_layers: 2}``).
-    hf_checkpoint: a Qwen3-MoE / Qwen2-MoE checkpoint folder to start from.
+    hf_checkpoint: a Qwen3-MoE / Qwen2-MoE checkpoint folder to start from; its tasks are rendered
+      and scored with its own ``tokenizer.json``, chat template and special tokens.
     init_checkpoint: start RL from these parameters: a run directory (its ``policy/``, the
       policy its RL started from, e.g. a warm-start-only run with ``steps: 0``) or a folder
       written by ``trace_jax.model.save_params``; the model config must match.
@@ -323,15 +325,14 @@ def model_config(cfg: RLConfig, vocab_size: int) -> ModelConfig:
     return mcfg
 
 
-def build_model(cfg: RLConfig, vocab_size: int) -> Transformer:
+def build_model(cfg: RLConfig) -> tuple[Transformer, Tokenizer]:
+    """The model RL starts from and the tokenizer its tasks are rendered with: a checkpoint's
+    weights and its own tokenizer and chat template, or a random preset and the byte tokenizer
+    (its vocabulary checked to fit)."""
     if cfg.hf_checkpoint:
         _, model = load_hf_checkpoint(cfg.hf_checkpoint)
-        if model.cfg.vocab_size < vocab_size:
-            raise ConfigError(
-                f"hf_checkpoint: vocab_size {model.cfg.vocab_size} < the tokenizer's {vocab_size}"
-            )
-        return model
-    return Transformer(model_config(cfg, vocab_size), nnx.Rngs(cfg.seed))
+        return model, load_hf_tokenizer(cfg.hf_checkpoint)
+    return Transformer(model_config(cfg, TOKENIZER.vocab_size), nnx.Rngs(cfg.seed)), TOKENIZER
 
 
 # ----------------------------------------------------------------------------- the run
@@ -347,12 +348,14 @@ class RLRun:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.log = log
-        self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)
-        self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
+        self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)  # its knobs checked first
         if not cfg.hf_checkpoint:  # before allocating anything (a checkpoint's config: below)
+            self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
             memory.check_fits(cfg, model_config(cfg, self.io.vocab_size), self.max_len)
-        model = build_model(cfg, self.io.vocab_size)
-        if cfg.hf_checkpoint:
+        model, tokenizer = build_model(cfg)
+        if cfg.hf_checkpoint:  # its tasks are rendered by its own tokenizer
+            self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args, tokenizer)
+            self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
             memory.check_fits(cfg, model.cfg, self.max_len)
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)

@@ -18,7 +18,7 @@ from trace_jax.config import ConfigError
 from trace_jax.rl.timing import PhaseTimer
 from trace_jax.rollout import RolloutEngine, RolloutState
 from trace_jax.tasks import TOKENIZER, Problem, demonstration_tokens, make_task
-from trace_jax.tasks.tokenizer import EOS, EOT
+from trace_jax.tasks.tokenizer import Tokenizer
 
 _PROBE = 64  # problems per split whose sizes bound the sequence length
 
@@ -27,9 +27,12 @@ class TaskIO:
     """Args:
     name: a registered task name.
     args: the task's knobs.
+    tokenizer: renders prompts, policy turns and observations as ids, and decodes completions
+      (default: the byte tokenizer of the built-in presets; a Hugging Face checkpoint's own from
+      ``trace_jax.tasks.hf_tokenizer.load_hf_tokenizer``).
     """
 
-    def __init__(self, name: str, args: dict):
+    def __init__(self, name: str, args: dict, tokenizer: Tokenizer = TOKENIZER):
         try:
             self.task = make_task(name, **args)
         except ConfigError as e:
@@ -37,11 +40,11 @@ class TaskIO:
             raise ConfigError(
                 message if message.startswith("task.") else f"task.args.{message}"
             ) from None
-        self.tok = TOKENIZER
+        self.tok = tokenizer
         self.vocab_size = self.tok.vocab_size
         self.pad_id = self.tok.pad_id
         self.multi_turn = bool(self.task.multi_turn)
-        self.stop_tokens = (EOT,) if self.multi_turn else (EOS,)
+        self.stop_tokens = self.tok.stop_ids(self.multi_turn)
 
     # ------------------------------------------------------------------ problems and sizes
 
@@ -54,11 +57,11 @@ class TaskIO:
         budgets (and, multi-turn, the longest observation per turn)."""
         probes = [self.problem(s, i) for s in ("train", "eval") for i in range(_PROBE)]
         prompt = max(len(self.tok.prompt_ids(p.prompt)) for p in probes)
-        demo = max(len(demonstration_tokens(self.task, p)[0]) for p in probes)
+        demo = max(len(demonstration_tokens(self.task, p, self.tok)[0]) for p in probes)
         if not self.multi_turn:
             return max(prompt + max_new_tokens, demo)
         obs = max(
-            len(self.tok.encode(t.text))
+            len(self.tok.observation_ids(t.text))
             for p in probes
             for t in self.task.demonstration_turns(p)
             if t.role == "env"
@@ -166,7 +169,7 @@ class TaskIO:
                 observations.append([])
                 continue
             obs, done, reward = env.step(self.completion(state, b, before[b], after[b]))
-            ids = self.tok.encode(obs)
+            ids = self.tok.observation_ids(obs)
             if done or after[b] + len(ids) >= max_len:  # no room for another turn: ends
                 finished[b] = True
                 rewards[b] = reward if done else 0.0
@@ -181,7 +184,7 @@ class TaskIO:
         tokens = np.full((len(problems), max_len), self.pad_id, np.int32)
         mask = np.zeros((len(problems), max_len), bool)
         for b, p in enumerate(problems):
-            ids, m = demonstration_tokens(self.task, p)
+            ids, m = demonstration_tokens(self.task, p, self.tok)
             if len(ids) > max_len:
                 raise ConfigError(
                     f"max_new_tokens: the demonstration of {p.id} has {len(ids)} tokens, more "

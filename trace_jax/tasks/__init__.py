@@ -10,6 +10,7 @@
 Tasks: ``reasoning`` (arithmetic, ``Answer:`` line), ``countdown`` (reach a target),
 ``coding`` (stack-language programs run by
 ``interpreter``), ``gridworld`` / ``long_horizon`` (multi-turn), ``jsonl`` / ``gsm8k`` (a file).
+A Hugging Face checkpoint's own tokenizer and chat template: ``trace_jax.tasks.hf_tokenizer``.
 """
 
 from trace_jax.tasks import coding, gridworld, jsonl, reasoning  # noqa: F401  (registers tasks)
@@ -41,7 +42,16 @@ from trace_jax.tasks.reasoning import (
     ReasoningTask,
     answer_reward,
 )
-from trace_jax.tasks.tokenizer import BOS, EOS, EOT, PAD, TOKENIZER, ByteTokenizer, TokenizerError
+from trace_jax.tasks.tokenizer import (
+    BOS,
+    EOS,
+    EOT,
+    PAD,
+    TOKENIZER,
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerError,
+)
 
 __all__ = [
     "BOS",
@@ -74,6 +84,7 @@ __all__ = [
     "RunResult",
     "Split",
     "Task",
+    "Tokenizer",
     "TokenizerError",
     "Turn",
     "answer_reward",

@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from trace_jax.config import ConfigError, from_dict
-from trace_jax.tasks.tokenizer import EOS, EOT, TOKENIZER, ByteTokenizer
+from trace_jax.tasks.tokenizer import TOKENIZER, Tokenizer
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "eval")
@@ -162,30 +162,34 @@ def episode_tokens(
     turns: Sequence[Turn],
     *,
     multi_turn: bool,
-    tokenizer: ByteTokenizer = TOKENIZER,
+    tokenizer: Tokenizer = TOKENIZER,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and loss mask of a whole episode.
+    """Token ids and loss mask of a whole episode, in ``tokenizer``'s render.
 
-    Layout: ``BOS prompt`` then each turn; a policy turn is followed by ``EOT`` (multi-turn) or
-    ``EOS`` (single-turn). The mask is True on policy tokens and their terminator only.
+    Layout: ``prompt_ids(prompt)`` then each turn; a policy turn is its text followed by
+    ``end_of_turn(multi_turn)`` (byte tokenizer: ``BOS prompt``, turns ended by ``EOT`` or
+    ``EOS``), an environment turn is ``observation_ids(text)`` (in a chat template: the
+    observation's turn and the opening of the policy's next one). The mask is True on policy
+    tokens and their terminator only.
 
     Returns:
       ids: [n] int32; loss_mask: [n] bool.
     """
     ids = tokenizer.prompt_ids(prompt)
     mask = [False] * len(ids)
-    stop = EOT if multi_turn else EOS
+    stop = tokenizer.end_of_turn(multi_turn)
     for turn in turns:
-        t = tokenizer.encode(turn.text)
         if turn.role == "policy":
-            t = [*t, stop]
+            t = [*tokenizer.encode(turn.text), stop]
+        else:
+            t = tokenizer.observation_ids(turn.text)
         ids.extend(t)
         mask.extend([turn.role == "policy"] * len(t))
     return np.asarray(ids, np.int32), np.asarray(mask, np.bool_)
 
 
 def demonstration_tokens(
-    task: Task, problem: Problem, tokenizer: ByteTokenizer = TOKENIZER
+    task: Task, problem: Problem, tokenizer: Tokenizer = TOKENIZER
 ) -> tuple[np.ndarray, np.ndarray]:
     """``episode_tokens`` of the task's demonstration: supervised warm-start data."""
     return episode_tokens(

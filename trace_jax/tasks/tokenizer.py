@@ -12,12 +12,16 @@ Layout of a sequence (see ``trace_jax.tasks.base.episode_tokens``)::
 
 ``EOS`` ends a single-turn completion and ``EOT`` ends one policy turn of a multi-turn episode;
 both are stop tokens for the sampler. ``PAD`` fills batches.
+
+``Tokenizer`` is the interface the task I/O takes: this byte tokenizer is the default of the
+built-in presets; a Hugging Face checkpoint brings its own (``trace_jax.tasks.hf_tokenizer``),
+which renders prompts and observations in the checkpoint's chat template.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 PAD = 0
 BOS = 1
@@ -32,6 +36,33 @@ _TEXT_BYTES = frozenset([9, 10, 13, *range(32, 127), *range(128, 256)])
 
 class TokenizerError(ValueError):
     """Text with a character outside the alphabet, or ids that are not text."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What tasks and the RL loop need of a tokenizer: text <-> ids, the special ids, and the
+    render of an episode (prompt, the token ending a policy turn, environment observations).
+
+    An episode's ids are ``prompt_ids(prompt)``, then per policy turn ``encode(text)`` followed by
+    ``end_of_turn(multi_turn)`` (in the loss), per environment turn ``observation_ids(text)``
+    (not in the loss); see ``trace_jax.tasks.base.episode_tokens``.
+    """
+
+    vocab_size: int  # 1 + the largest id the tokenizer produces
+    pad_id: int
+    bos_id: int | None
+    eos_id: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(
+        self, ids: Iterable[int], *, errors: Literal["strict", "replace"] = "strict"
+    ) -> str: ...
+    def prompt_ids(self, prompt: str) -> list[int]: ...
+    def observation_ids(self, text: str) -> list[int]: ...
+    def end_of_turn(self, multi_turn: bool) -> int: ...
+    def stop_ids(self, multi_turn: bool) -> tuple[int, ...]: ...
+    def completion_text(self, ids: Sequence[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -88,6 +119,18 @@ class ByteTokenizer:
     def prompt_ids(self, prompt: str) -> list[int]:
         """``BOS`` + the prompt's bytes: the context the policy continues."""
         return [BOS, *self.encode(prompt)]
+
+    def observation_ids(self, text: str) -> list[int]:
+        """An environment observation appended after a policy turn: its bytes."""
+        return self.encode(text)
+
+    def end_of_turn(self, multi_turn: bool) -> int:
+        """The id that ends a policy turn: ``EOT`` in a multi-turn episode, else ``EOS``."""
+        return EOT if multi_turn else EOS
+
+    def stop_ids(self, multi_turn: bool) -> tuple[int, ...]:
+        """Ids that end the sampler's decode of a turn."""
+        return (self.end_of_turn(multi_turn),)
 
     def completion_text(self, ids: Sequence[int]) -> str:
         """Sampled completion ids -> text: cut at the first stop/pad id, lenient decode."""
