@@ -198,6 +198,11 @@ def test_multi_turn_rollout_appends_observations_as_its_demonstrations_lay_them_
     demo, mask = episode_tokens(problem.prompt, turns[:-1], multi_turn=True, tokenizer=tok)
     assert state.tokens[0, :n].tolist() == demo.tolist()
     assert state.generated[0, :n].tolist() == mask.tolist()
+    # The warm start's batch holds the whole demonstration in the same render.
+    full, full_mask = episode_tokens(problem.prompt, turns, multi_turn=True, tokenizer=tok)
+    tokens, loss_mask = io.demonstrations([problem], io.max_len(4, 8))
+    assert np.asarray(tokens)[0, : len(full)].tolist() == full.tolist()
+    assert np.asarray(loss_mask)[0].sum() == full_mask.sum() == mask.sum()
     expected = SYSTEM + user_turn(problem.prompt)
     for t in turns[:-1]:
         expected += f"{t.text}<|im_end|>" if t.role == "policy" else "\n" + user_turn(t.text)
