@@ -91,7 +91,7 @@ def _safe_open(file: Path) -> Iterator[Any]:
         yield f
 
 
-def _read_json(file: Path, what: str) -> dict[str, Any]:
+def read_json(file: Path, what: str) -> dict[str, Any]:
     """A JSON object from ``file``; a missing, malformed or non-object file is a
     ``CheckpointError`` naming it."""
     if not file.is_file():
@@ -243,7 +243,7 @@ def _checkpoint_entries(folder: Path) -> dict[str, _Entry]:
     """Every tensor of a checkpoint folder with its file, shape and dtype (headers only)."""
     index = folder / SAFE_INDEX
     if index.is_file():
-        weight_map = _read_json(index, "the shard index").get("weight_map")
+        weight_map = read_json(index, "the shard index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: missing the mapping 'weight_map'")
         files = sorted(set(weight_map.values()))
@@ -279,7 +279,7 @@ def _with_packed_weights(folder: Path, entries: dict[str, _Entry]) -> dict[str, 
         return entries
     config = folder / CONFIG
     try:
-        fmt = compressed.checkpoint_format(_read_json(config, "the model config"), config)
+        fmt = compressed.checkpoint_format(read_json(config, "the model config"), config)
         if fmt is None:
             raise compressed.LayoutError(
                 f"{folder} holds packed FP4 tensors but {config} has no quantization_config"
@@ -523,7 +523,7 @@ def _config_of(folder: Path) -> ModelConfig:
     if not folder.is_dir():
         raise MissingCheckpointError(f"checkpoint folder {folder} does not exist")
     file = folder / CONFIG
-    hf = _read_json(file, "the Hugging Face model config")
+    hf = read_json(file, "the Hugging Face model config")
     stored = _stored_dtype(hf)
     try:
         return ModelConfig.from_hf(hf, param_dtype=stored, dtype=stored)

@@ -41,7 +41,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
-from trace_jax.model.hf import CONFIG, CheckpointError, MissingCheckpointError, _read_json
+from trace_jax.model.hf import CONFIG, CheckpointError, MissingCheckpointError, read_json
 from trace_jax.tasks.tokenizer import TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -283,12 +283,12 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
     if tok.get_vocab_size(with_added_tokens=True) == 0:
         raise CheckpointError(f"{file}: the tokenizer has an empty vocabulary")
     tcfg_file = folder / TOKENIZER_CONFIG
-    tcfg = _read_json(tcfg_file, "the tokenizer config") if tcfg_file.is_file() else {}
+    tcfg = read_json(tcfg_file, "the tokenizer config") if tcfg_file.is_file() else {}
     config_file = folder / CONFIG
-    config = _read_json(config_file, "the Hugging Face model config")
+    config = read_json(config_file, "the Hugging Face model config")
     gen_file = folder / GENERATION_CONFIG
     if gen_file.is_file():
-        generation = _read_json(gen_file, "the generation config")
+        generation = read_json(gen_file, "the generation config")
     else:  # transformers' GenerationConfig.from_model_config
         gen_file, generation = config_file, config
 
