@@ -70,3 +70,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ref_python() -> str:
+    """The reference environment's interpreter (torch, torchao, transformers, compressed-tensors):
+    ``TRACE_REF_PYTHON``, else ``.venv-ref/bin/python``. Missing, its tests skip (fail under CI)."""
+    path = os.environ.get("TRACE_REF_PYTHON") or str(
+        Path(__file__).parents[1] / ".venv-ref/bin/python"
+    )
+    if not Path(path).exists():
+        message = f"reference interpreter {path} not found; run `make ref-env` to build it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

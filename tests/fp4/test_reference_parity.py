@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -246,20 +245,10 @@ SUBNORMAL_CASE = Case("subnormal-mxfp4", _subnormal_inputs(np.random.default_rng
 # ----------------------------------------------------------------------------- the reference
 
 
-def reference_python() -> str:
-    path = os.environ.get("TRACE_REF_PYTHON") or str(ROOT / ".venv-ref" / "bin" / "python")
-    if not Path(path).exists():
-        message = f"reference interpreter {path} not found; run `make ref-env` to build it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, np.ndarray]:
+def reference(tmp_path_factory, ref_python) -> dict[str, np.ndarray]:
     """torchao's outputs for every case, from one run of the reference interpreter."""
-    python = reference_python()
+    python = ref_python
     tmp = tmp_path_factory.mktemp("torchao")
     cases = [*CASES, SUBNORMAL_CASE]
     spec = [{"name": c.name, "fmt": c.fmt, "mode": c.mode, "dtype": c.dtype} for c in cases]

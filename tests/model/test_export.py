@@ -5,7 +5,6 @@ compressed-tensors library decompresses the files to trace-jax's dequantized wei
 
 import functools
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -226,19 +225,9 @@ def test_a_damaged_export_is_refused_naming_the_tensor_or_key(folders, tmp_path)
         hf.load_hf_checkpoint(folder)
 
 
-def reference_python() -> str:
-    python = os.environ.get("TRACE_REF_PYTHON", str(REPO / ".venv-ref" / "bin" / "python"))
-    if not Path(python).exists():
-        message = f"reference interpreter {python} is missing: run `make ref-env`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
-
-
 @pytest.mark.reference
 def test_compressed_tensors_reads_the_rollouts_codes_and_decompresses_bit_for_bit(
-    policy_model, folders, tmp_path
+    policy_model, folders, tmp_path, ref_python
 ):
     """compressed-tensors, on its own: it quantizes exactly the modules stored packed, reads the
     rollout's E2M1 codes and block scales, and decompresses to ``load_hf_checkpoint``'s weights."""
@@ -251,7 +240,7 @@ def test_compressed_tensors_reads_the_rollouts_codes_and_decompresses_bit_for_bi
     out = tmp_path / "reference.npz"
     script = Path(__file__).with_name("reference_compressed_tensors.py")
     proc = subprocess.run(
-        [reference_python(), str(script), str(out), *(str(folders[n]) for n in names)],
+        [ref_python, str(script), str(out), *(str(folders[n]) for n in names)],
         capture_output=True,
         text=True,
         timeout=600,

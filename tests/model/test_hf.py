@@ -9,7 +9,6 @@ checkpoints exported from here. The remaining tests need no reference environmen
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -115,16 +114,6 @@ JAX_QWEN2 = JAX_QWEN3.replace(
     tie_word_embeddings=True,
     rms_norm_eps=1e-5,
 )
-
-
-def reference_python() -> str:
-    python = os.environ.get("TRACE_REF_PYTHON", str(REPO / ".venv-ref" / "bin" / "python"))
-    if not Path(python).exists():
-        message = f"reference interpreter {python} is missing: run `make ref-env`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
 
 
 def token_batches() -> list[np.ndarray]:
@@ -233,10 +222,10 @@ def jax_exports(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, jax_exports):
+def reference(tmp_path_factory, jax_exports, ref_python):
     """Runs ``hf_reference.py`` once: builds and saves the transformers cases, runs them, and
     loads the checkpoints exported here. Returns (root, npz arrays, json report)."""
-    python = reference_python()
+    python = ref_python
     root = tmp_path_factory.mktemp("hf_reference")
     np.savez(root / "tokens.npz", **{f"b{i}": t for i, t in enumerate(token_batches())})
 
