@@ -1,9 +1,12 @@
 """``hf_checkpoint=`` through the entry point: a tiny Qwen3-MoE checkpoint with its own trained
 tokenizer and chat template runs RL with its prompts rendered in the template and its special
-tokens; a tokenizer that does not fit the checkpoint is one line naming the file, exit code 2."""
+tokens, and its trained policy exports as NVFP4 with that tokenizer and loads back; a tokenizer
+that does not fit the checkpoint is one line naming the file, exit code 2."""
 
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_checkpoints import (
@@ -17,8 +20,13 @@ from hf_checkpoints import (
 from tokenizers import Tokenizer
 
 from experiments.__main__ import main
+from trace_jax import fp4
+from trace_jax.model import QuantPolicy, hf
 from trace_jax.rl import runlog
+from trace_jax.rl.checkpoint import read_policy_params
 from trace_jax.rl.tasks_io import TaskIO
+from trace_jax.rollout.engine import pack_expert_weight
+from trace_jax.tasks.hf_tokenizer import load_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +64,35 @@ def test_rl_from_a_checkpoint_prompts_it_in_its_chat_template(
                 f"{SYSTEM}<|im_start|>user\n{p.prompt}<|im_end|>\n<|im_start|>assistant\n"
             )
             assert (row[~ok] == pad).all()
+
+    # Out: the trained policy (the run's newest checkpoint) as NVFP4 with the checkpoint's
+    # tokenizer. Read back packed, its experts hold the NVFP4 codes and scales of the trained
+    # weights and every other parameter is the trained one in BF16, bit for bit; the exported
+    # folder's tokenizer renders the prompts as the run did.
+    out = tmp_path / "nvfp4"
+    assert main(["export", str(run_dir), "--format", "nvfp4", "--out", str(out)]) == 0
+    newest = max((run_dir / "checkpoints").iterdir(), key=lambda d: int(d.name))
+    trained = {tuple(map(str, p)): v for p, v in read_policy_params(newest).items()}
+    cfg = hf.checkpoint_config(out)
+    read = dict(hf.iter_hf_params(out, cfg, packed="nvfp4"))
+    assert {tuple(map(str, p)) for p in read} == set(trained)
+    experts = 0
+    for path, value in read.items():
+        want = trained[tuple(map(str, path))]
+        if isinstance(value, fp4.QTensor):
+            experts += 1
+            got = pack_expert_weight(jnp.asarray(want), QuantPolicy.rollout("nvfp4"))
+            for x, y in zip(jax.tree.leaves(value), jax.tree.leaves(got), strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+        else:
+            assert value.dtype == jnp.bfloat16, path  # the trainer's float32, rounded once
+            np.testing.assert_array_equal(value, want.astype(value.dtype), err_msg=str(path))
+    assert experts == 3 * len(cfg.moe_layers)
+    io, problems, tokens, valid = prompts[-1]
+    exported = load_hf_tokenizer(out)
+    assert [exported.prompt_ids(p.prompt) for p in problems] == [
+        list(row[ok]) for row, ok in zip(tokens, valid, strict=True)
+    ]
 
 
 def test_a_tokenizer_that_does_not_fit_the_checkpoint_is_one_line(
