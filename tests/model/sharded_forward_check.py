@@ -1,4 +1,5 @@
-"""Run with 8 fake CPU devices: the sharded forward equals the single-device one.
+"""Run with 8 fake CPU devices: the forward on a (data=2, fsdp=2, expert=2) mesh equals the
+single-device one.
 
 Executed by ``test_sharding.py`` in a fresh process, because the device count is fixed when JAX
 starts (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
@@ -26,14 +27,21 @@ def main():
     single = Transformer(cfg, nnx.Rngs(0))
     want_logits, want_routes = forward(single, tokens)
 
-    mesh = make_mesh(data=2, expert=4)
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
     sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
-    experts = sharded.layers[0].mlp.gate_proj[...]
+    experts = sharded.layers[0].mlp.gate_proj[...]  # [E, H, I]: E over expert, H over fsdp
     assert len(experts.sharding.device_set) == 8
-    assert experts.addressable_shards[0].data.shape[0] == cfg.num_experts // 4
+    assert experts.addressable_shards[0].data.shape == (
+        cfg.num_experts // 2,
+        cfg.hidden_size // 2,
+        cfg.moe_intermediate_size,
+    )
+    embed = sharded.embed_tokens[...]  # [V, H]: V over fsdp, replicated over data and expert
+    assert embed.addressable_shards[0].data.shape == (cfg.vocab_size // 2, cfg.hidden_size)
     with jax.set_mesh(mesh):
         logits, routes = forward(sharded, jax.device_put(tokens, batch_sharding(mesh)))
-    assert logits.sharding.spec[0] == "data", logits.sharding
+    # batch over data (the compiler may keep the vocabulary over fsdp, from the LM head)
+    assert logits.sharding.spec[0] in ("data", ("data", "fsdp")), logits.sharding
     np.testing.assert_array_equal(np.asarray(routes), np.asarray(want_routes))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
     # Layers scanned over the same sharded parameters (stacked per run, experts still split).

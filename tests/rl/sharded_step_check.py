@@ -1,6 +1,6 @@
-"""Run with 2 fake CPU devices: an RL step (SGD, so that parameters compare) on a (data=2)
-and on an (expert=2) mesh equals the single-device step. Executed by ``test_trainer.py`` in a
-fresh process."""
+"""Run with 2 fake CPU devices: an RL step (SGD, so that parameters compare) on a (data=2), an
+(expert=2) and an (fsdp=2) mesh equals the single-device step, and the RL loop runs with FSDP.
+Executed by ``test_trainer.py`` in a fresh process."""
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ def main():
         guidance=rs.guidance,
     )
     want_state, want = step(Transformer(cfg, nnx.Rngs(0)), batch)
-    for axes in (dict(data=2), dict(expert=2)):
+    for axes in (dict(data=2), dict(expert=2), dict(fsdp=2)):
         mesh = make_mesh(**axes)
         sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
 
@@ -65,14 +65,21 @@ def main():
             jax.tree.leaves(state.params), jax.tree.leaves(want_state.params), strict=True
         ):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        # the update leaves each parameter where it was placed (FSDP: split, not gathered)
+        placed = jax.tree.map(lambda a: a.sharding, nnx.state(sharded, nnx.Param))
+        for a, want_sharding in zip(
+            jax.tree.leaves(state.params), jax.tree.leaves(placed), strict=True
+        ):
+            assert a.sharding.is_equivalent_to(want_sharding, a.ndim), (a.sharding, want_sharding)
         print(axes, "ok")
     print("sharded RL step OK")
     check_loop()
 
 
 def check_loop():
-    """The RL loop with ``mesh_expert=2``: experts are split over the devices, and the warm start
-    and the RL steps run (the step itself is compared with one device above)."""
+    """The RL loop with ``mesh_fsdp=2``: every parameter and both AdamW moments of it are split
+    in halves over the two devices along its largest dimension, and the warm start and the RL
+    steps run (the step itself is compared with one device above)."""
     import json
     import tempfile
     from pathlib import Path
@@ -88,16 +95,21 @@ def check_loop():
         max_new_tokens=6,
         warm_start={"steps": 2, "batch": 4},
         eval_problems=0,
-        mesh_expert=2,
+        mesh_fsdp=2,
         tensorboard=False,
         plot=False,
     )
-    run_dir = Path(tempfile.mkdtemp()) / "expert2"
+    run_dir = Path(tempfile.mkdtemp()) / "fsdp2"
     run = RLRun(from_dict(RLConfig, cfg), run_dir, log=lambda *_: None)
     run.run()
     logs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    experts = run.final_state.params["layers"][0]["mlp"]["gate_proj"].get_value()
-    assert len(experts.sharding.device_set) == 2, experts.sharding
+    state = run.final_state
+    adam = state.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    for tree in (state.params, adam.mu, adam.nu):
+        for a in jax.tree.leaves(tree):
+            half = list(a.shape)
+            half[int(np.argmax(a.shape))] //= 2  # the largest dimension (all even here)
+            assert a.addressable_shards[0].data.shape == tuple(half), (a.shape, a.sharding)
     assert logs[1]["sft/loss"] < logs[0]["sft/loss"]
     assert np.isfinite(logs[2]["train/loss"]) and logs[2]["mismatch/logp_abs"] < 0.05
     print("sharded RL loop OK")

@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from trace_jax.config import ConfigError
 from trace_jax.guidance import GuidanceCache, model_guidance_bytes
@@ -46,6 +45,7 @@ from trace_jax.model import (
     ModelConfig,
     QuantPolicy,
     Transformer,
+    batch_sharding,
     load_hf_checkpoint,
     make_mesh,
     params_digest,
@@ -169,8 +169,10 @@ class RLConfig:
       leave too little time for another is the last, evaluated and checkpointed; the same
       command resumes the run (this key does not count as a change of settings).
     guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
-    mesh_data, mesh_expert: device mesh (data x expert): experts are split over ``expert``, the
-      batch over ``data`` (1 x 1: one device).
+    mesh_data, mesh_fsdp, mesh_expert: device mesh (data x fsdp x expert): routed experts are
+      split over ``expert``; every parameter and its AdamW moments over ``fsdp`` (its largest
+      dimension that divides, as FSDP does); the batch over ``data`` x ``fsdp`` (1 x 1 x 1: one
+      device).
     tensorboard: also write TensorBoard event files.
     plot: write PNG curves at the end.
     """
@@ -217,6 +219,7 @@ class RLConfig:
     deterministic: bool = False
     guidance_host_bytes: int = 1 << 30
     mesh_data: int = 1
+    mesh_fsdp: int = 1
     mesh_expert: int = 1
     tensorboard: bool = True
     plot: bool = True
@@ -238,7 +241,7 @@ class RLConfig:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
         if self.code_metrics_rows < 0:
             raise ConfigError(f"code_metrics_rows: must be >= 0, got {self.code_metrics_rows}")
-        for key in ("eval_every", "checkpoint_every", "mesh_data", "mesh_expert"):
+        for key in ("eval_every", "checkpoint_every", "mesh_data", "mesh_fsdp", "mesh_expert"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         batch = self.prompts_per_step * self.group_size
@@ -250,8 +253,10 @@ class RLConfig:
             ("prompts_per_step", batch // self.minibatches),
             ("warm_start.batch", self.warm_start.batch),
         ):
-            if size % self.mesh_data:
-                raise ConfigError(f"{key}: its (mini)batch {size} does not split over mesh_data")
+            if size % (self.mesh_data * self.mesh_fsdp):
+                raise ConfigError(
+                    f"{key}: its (mini)batch {size} does not split over mesh_data x mesh_fsdp"
+                )
         if self.train_mode in ("trace", "trace_all") and self.rollout != "fp4":
             raise ConfigError(
                 f"train_mode: {self.train_mode} replays FP4 rollout guidance; it needs rollout: fp4"
@@ -360,18 +365,19 @@ class RLRun:
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)
         self.mesh = None
-        if cfg.mesh_data * cfg.mesh_expert > 1:
-            if cfg.mesh_data * cfg.mesh_expert > jax.device_count():
+        mesh_size = cfg.mesh_data * cfg.mesh_fsdp * cfg.mesh_expert
+        if mesh_size > 1:
+            if mesh_size > jax.device_count():
                 raise ConfigError(
-                    f"mesh_data x mesh_expert: {cfg.mesh_data} x {cfg.mesh_expert} devices "
-                    f"asked for, {jax.device_count()} present"
+                    f"mesh_data x mesh_fsdp x mesh_expert: {cfg.mesh_data} x {cfg.mesh_fsdp} x "
+                    f"{cfg.mesh_expert} devices asked for, {jax.device_count()} present"
                 )
             if model.cfg.num_experts % cfg.mesh_expert:
                 raise ConfigError(
                     f"mesh_expert: {cfg.mesh_expert} does not divide the "
                     f"{model.cfg.num_experts} experts"
                 )
-            self.mesh = make_mesh(data=cfg.mesh_data, expert=cfg.mesh_expert)
+            self.mesh = make_mesh(data=cfg.mesh_data, fsdp=cfg.mesh_fsdp, expert=cfg.mesh_expert)
             model = shard_model(model, self.mesh)
         self.model_cfg = model.cfg
         self.rollout_policy = rollout_policy(cfg)
@@ -459,14 +465,13 @@ class RLRun:
         return {"eval/reward": float(np.mean(rewards))}
 
     def _place(self, tree, batch_axis: int = 0):
-        """Put [B, ...] arrays of a batch on the mesh, split over ``data`` (no-op on one device)."""
+        """Put [B, ...] arrays of a batch on the mesh, split over ``data`` x ``fsdp`` (no-op on
+        one device)."""
         if self.mesh is None:
             return tree
 
         def put(a):
-            spec = [None] * a.ndim
-            spec[batch_axis] = "data"
-            return jax.device_put(a, NamedSharding(self.mesh, PartitionSpec(*spec)))
+            return jax.device_put(a, batch_sharding(self.mesh, a.ndim, batch_axis))
 
         return jax.tree.map(put, tree)
 

@@ -24,7 +24,8 @@ Semantics of an RL step (the README's RL section states them for users):
 The forward uses the training policy's quantization sites: ``bf16`` (none), ``qat`` (RTN fake
 quant everywhere), ``trace`` (guided at the guided layers with the rollout's records, RTN
 elsewhere). With routing replay the recorded experts are used. Parameters may be sharded
-(``trace_jax.model.shard_model``); the steps follow the input shardings.
+(``trace_jax.model.shard_model``: experts over ``expert``, every weight over ``fsdp``); the
+optimizer's moments are made like their parameters, and the steps follow the input shardings.
 """
 
 from __future__ import annotations
