@@ -2,7 +2,8 @@
 
 Commands: ``run`` (one config into a run directory), ``list``, ``compare`` (several run
 directories), ``sweep`` (a grid of runs from one shared warm start), ``report`` (a sweep's
-tables and figures) and ``export`` (a policy as an FP4 Hugging Face folder for vLLM / SGLang).
+tables and figures), ``export`` (a policy as an FP4 Hugging Face folder for vLLM / SGLang) and
+``shard-report`` (a preset's bytes per device on a mesh, from shapes alone).
 Every error a user can cause ends in one line on stderr naming the file or key, exit code 2;
 Ctrl-C ends in one line naming the last checkpoint, exit code 130.
 """
@@ -87,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
         help="one global scale per expert for gate and up (vLLM's fused w13 uses the gate's); "
         "their codes then follow that scale, not the rollout's",
     )
+    from experiments.shard_report import add_parser
+
+    add_parser(sub)
     return p
 
 
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "sweep":
             return sweep_command(args)
+        if args.command == "shard-report":
+            from experiments.shard_report import shard_report_command
+
+            return shard_report_command(args)
         if args.command == "export":
             from experiments.export import export_command
 
