@@ -21,6 +21,7 @@ from experiments.runner import (
     USER_ERRORS,
     Interrupted,
     execute,
+    init_distributed,
     resolve,
     without_closed_loop_reports,
 )
@@ -30,6 +31,7 @@ __all__ = ["main", "resolve"]
 
 
 def run_command(args: argparse.Namespace) -> int:
+    init_distributed()  # a multi-process job when the environment says so
     exp, cfg = resolve(args.config, args.overrides)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or f"runs/{exp.name}-{stamp}")

@@ -40,6 +40,33 @@ USER_ERRORS = (ConfigError, CheckpointError)
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 
 
+def init_distributed(environ=os.environ) -> bool:
+    """Join a multi-process JAX job when the environment describes one; call it before anything
+    touches a device. ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0) with
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or the address alone and the count and id that
+    JAX detects from its cluster launcher (SLURM, Open MPI, Kubernetes). None set: one process.
+    Returns whether it joined a job."""
+    address = environ.get("JAX_COORDINATOR_ADDRESS", "")
+    count, index = environ.get("JAX_NUM_PROCESSES", ""), environ.get("JAX_PROCESS_ID", "")
+    if not address:
+        if count or index:
+            raise ConfigError(
+                "JAX_NUM_PROCESSES, JAX_PROCESS_ID: set JAX_COORDINATOR_ADDRESS (host:port of "
+                "process 0) too"
+            )
+        return False
+    if not all(v.isdigit() for v in (count, index) if v) or bool(count) != bool(index):
+        raise ConfigError(
+            f"JAX_NUM_PROCESSES, JAX_PROCESS_ID: both or neither, non-negative integers "
+            f"(got {count!r}, {index!r})"
+        )
+    num, pid = (int(count), int(index)) if count else (None, None)
+    if num is not None and not pid < num:
+        raise ConfigError(f"JAX_PROCESS_ID: {pid} is not below JAX_NUM_PROCESSES {num}")
+    jax.distributed.initialize(address, num, pid)
+    return True
+
+
 def deterministic_flags(flags: str, started: bool, backend) -> str:
     """``XLA_FLAGS`` with XLA's deterministic GPU ops (``deterministic: true``). XLA reads its
     flags when the backend starts: a GPU backend started without them cannot honour the key

@@ -1,0 +1,26 @@
+"""One of the processes of a local multi-process job (``test_distributed.py`` starts them with
+the environment the entry point reads): join through ``init_distributed``, give this process's
+slice of a global batch, and reduce over the global (data=2) mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.runner import init_distributed
+from trace_jax.model.sharding import batch_sharding, make_mesh
+
+
+def main():
+    assert init_distributed()
+    mesh = make_mesh(data=jax.process_count())  # one CPU device per process
+    rows = 4  # the global batch [8, 3]: rows 4p..4p+3 are process p's
+    index = jax.process_index()
+    local = np.arange(index * rows * 3, (index + 1) * rows * 3, dtype=np.float32).reshape(rows, 3)
+    batch = jax.make_array_from_process_local_data(batch_sharding(mesh), local)
+    assert batch.shape == (rows * jax.process_count(), 3), batch.shape
+    total = jax.jit(jnp.sum)(batch)  # replicated on every process: each reads its own copy
+    print(f"process {index} of {jax.process_count()}: sum {float(total.addressable_data(0))}")
+
+
+if __name__ == "__main__":
+    main()

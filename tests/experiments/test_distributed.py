@@ -1,0 +1,58 @@
+"""Multi-process JAX from the entry point's ``init_distributed``: two local CPU processes on a
+localhost coordinator see one global mesh, each feeds its slice of the batch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import portpicker
+import pytest
+
+from experiments.runner import init_distributed
+from trace_jax.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_processes_reduce_one_global_batch():
+    port = portpicker.pick_unused_port()
+    script = Path(__file__).with_name("distributed_check.py")
+    procs = []
+    for index in range(2):
+        env = dict(
+            os.environ,
+            JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(index),
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=str(ROOT),
+            JAX_ENABLE_COMPILATION_CACHE="false",  # multi-device CPU programs: see test_sharding
+        )
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        cmd = [sys.executable, str(script)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, (out + err).decode()
+    want = float(sum(range(24)))  # the global [8, 3] batch is 0..23
+    for index, (out, _) in enumerate(outs):
+        assert f"process {index} of 2: sum {want}" in out.decode(), out.decode()
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+        {"JAX_COORDINATOR_ADDRESS": "localhost:1", "JAX_NUM_PROCESSES": "2"},
+        {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+        {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+    ],
+)
+def test_an_incomplete_or_bad_environment_names_the_variable(environ):
+    with pytest.raises(ConfigError, match="JAX_"):
+        init_distributed(environ)
+
+
+def test_no_environment_is_one_process():
+    assert init_distributed({}) is False
