@@ -2,12 +2,16 @@
 the environment the entry point reads): join through ``init_distributed``, give this process's
 slice of a global batch, and reduce over the global (data=2) mesh."""
 
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.runner import init_distributed
+from trace_jax.config import ConfigError
 from trace_jax.model.sharding import batch_sharding, make_mesh
+from trace_jax.rl.loop import RLConfig, RLRun
 
 
 def main():
@@ -20,6 +24,10 @@ def main():
     assert batch.shape == (rows * jax.process_count(), 3), batch.shape
     total = jax.jit(jnp.sum)(batch)  # replicated on every process: each reads its own copy
     print(f"process {index} of {jax.process_count()}: sum {float(total.addressable_data(0))}")
+    try:  # the RL loop is one process's for now: it says so before building anything
+        RLRun(RLConfig(), tempfile.mkdtemp())
+    except ConfigError as e:
+        print("RL loop refused:", e)
 
 
 if __name__ == "__main__":

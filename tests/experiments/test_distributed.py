@@ -38,6 +38,7 @@ def test_two_processes_reduce_one_global_batch():
     want = float(sum(range(24)))  # the global [8, 3] batch is 0..23
     for index, (out, _) in enumerate(outs):
         assert f"process {index} of 2: sum {want}" in out.decode(), out.decode()
+        assert "RL loop refused: JAX_NUM_PROCESSES" in out.decode(), out.decode()
 
 
 @pytest.mark.parametrize(

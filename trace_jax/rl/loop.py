@@ -350,6 +350,10 @@ class RLRun:
     def __init__(self, cfg: RLConfig, run_dir: str | Path, *, log=print):
         self.started, self.eval_s = time.monotonic(), 0.0  # for time_limit_min
         self.start_digest = None  # sha256 of the parameters RL starts from (``_start_policy``)
+        if jax.process_count() > 1:  # rollouts, streams and metrics are per process for now
+            raise ConfigError(
+                f"JAX_NUM_PROCESSES: the RL loop runs in one process, not {jax.process_count()}"
+            )
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.log = log
