@@ -17,6 +17,7 @@ from trace_jax.guidance import GuidanceVersionError
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer, restore_params, save_params
 from trace_jax.rl import loop
 from trace_jax.rl.tasks_io import TaskIO
+from trace_jax.rl.trainer import Trainer
 from trace_jax.rollout import RolloutConfig, RolloutEngine
 
 
@@ -61,9 +62,20 @@ class Killed(Exception):
     pass
 
 
+STEPS = (
+    Trainer.sft_step,
+    Trainer.logprobs,
+    Trainer.score,
+    Trainer.gradient,
+    Trainer.apply,
+    RolloutEngine._decode,
+)
+
+
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
     cfg = small(**HARD)
+    compiled = [step._cache_size() for step in STEPS]
     saved, real_save = [], loop.RunCheckpointer.save
     monkeypatch.setattr(
         loop.RunCheckpointer,
@@ -122,6 +134,11 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     assert logs == ["resuming from the checkpoint of step 1"]
     assert records(tmp_path / "b") == want
     assert any((tmp_path / "b" / "tensorboard").iterdir())
+    # Each step's program compiled once for the three runs: the state restored from a
+    # checkpoint is committed to its device, and so is a fresh run's (a jitted program is
+    # compiled per pattern of committed arguments)
+    grown = [step._cache_size() - n for step, n in zip(STEPS, compiled, strict=True)]
+    assert max(grown) <= 1, grown
 
 
 def test_multi_turn_episodes_append_observations_outside_the_loss():

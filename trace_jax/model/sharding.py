@@ -122,6 +122,26 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Modul
     return model
 
 
+def commit(tree):
+    """``tree``'s arrays committed to the device they are on, where there is one device.
+
+    A jitted program is compiled per pattern of committed and uncommitted arguments, and its
+    outputs are committed when any input is: state that starts uncommitted (a fresh ``init``)
+    and comes back committed (after its first update, or from a step that read a restored
+    checkpoint) compiles every step's programs again. State committed from the start keeps one
+    pattern. With several devices the tree is returned as it is: uncommitted arrays follow a
+    mesh's placement, one committed to a device would not."""
+    if jax.device_count() > 1:
+        return tree
+
+    def put(a):  # tracers (a state built inside a traced function) have no placement yet
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            return jax.device_put(a, a.sharding)
+        return a
+
+    return jax.tree.map(put, tree)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2, batch_axis: int = 0) -> NamedSharding:
     """Inputs such as tokens [B, T]: the batch axis over ``data`` x ``fsdp``."""
     spec = [None] * ndim

@@ -41,6 +41,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.model import QuantPolicy, Transformer
+from trace_jax.model.sharding import commit
 from trace_jax.rl import losses, metrics
 from trace_jax.rl.timing import PhaseTimer
 from trace_jax.rollout.sampling import SamplingConfig
@@ -180,7 +181,8 @@ class Trainer:
     def init(self, params=None) -> TrainState:
         # a copy: the steps donate the state, and the model passed in keeps its own arrays
         params = jax.tree.map(jnp.copy, self._params if params is None else params)
-        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+        # committed as a restored checkpoint's state is: each step compiles once (sharding.commit)
+        return commit(TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32)))
 
     def model(self, params) -> Transformer:
         """A model with ``params`` (for the rollout engine or evaluation)."""

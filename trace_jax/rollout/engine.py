@@ -25,6 +25,7 @@ from pallas_kernels.layouts import Fp4Weight, prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
+from trace_jax.model.sharding import commit
 from trace_jax.rollout import kv_cache
 from trace_jax.rollout.sampling import SamplingConfig, sample
 
@@ -270,7 +271,8 @@ class RolloutEngine:
             model = quantize_expert_weights(model, self.policy)
             if kernel:
                 model = prepack_expert_weights(model)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        self.state = commit(state)  # one compiled program per step (sharding.commit)
         self.version = self.version + 1 if version is None else version
         self._trace_key = (self.graphdef, self.cfg, self.policy, self.model_cfg)
         self._trace_hash = hash(self._trace_key)
@@ -294,16 +296,18 @@ class RolloutEngine:
             c.kv_cache, m.num_layers, batch, c.max_len, m.num_kv_heads, m.head_dim, dtype
         )
         s = c.max_len
-        return RolloutState(
-            cache=cache,
-            tokens=jnp.full((batch, s), c.pad_token, jnp.int32),
-            generated=jnp.zeros((batch, s), bool),
-            logprobs=jnp.zeros((batch, s), jnp.float32),
-            routes=jnp.zeros((batch, s, len(m.moe_layers), m.num_experts_per_tok), jnp.int32),
-            guidance=self._empty_guidance(batch),
-            last_logits=jnp.zeros((batch, m.vocab_size), jnp.float32),
-            done=jnp.zeros((batch,), bool),
-            code_rows=jnp.asarray(sampled_rows(batch, c.code_rows)),
+        return commit(
+            RolloutState(
+                cache=cache,
+                tokens=jnp.full((batch, s), c.pad_token, jnp.int32),
+                generated=jnp.zeros((batch, s), bool),
+                logprobs=jnp.zeros((batch, s), jnp.float32),
+                routes=jnp.zeros((batch, s, len(m.moe_layers), m.num_experts_per_tok), jnp.int32),
+                guidance=self._empty_guidance(batch),
+                last_logits=jnp.zeros((batch, m.vocab_size), jnp.float32),
+                done=jnp.zeros((batch,), bool),
+                code_rows=jnp.asarray(sampled_rows(batch, c.code_rows)),
+            )
         )
 
     def _empty_guidance(self, batch: int) -> dict[str, Record]:
