@@ -1,18 +1,16 @@
 """Multi-process JAX from the entry point's ``init_distributed``: two local CPU processes on a
 localhost coordinator see one global mesh, each feeds its slice of the batch."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import portpicker
 import pytest
+from cpu_jobs import cpu_env
 
 from experiments.runner import init_distributed
 from trace_jax.config import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_processes_reduce_one_global_batch():
@@ -20,16 +18,11 @@ def test_two_processes_reduce_one_global_batch():
     script = Path(__file__).with_name("distributed_check.py")
     procs = []
     for index in range(2):
-        env = dict(
-            os.environ,
+        env = cpu_env(
             JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
             JAX_NUM_PROCESSES="2",
             JAX_PROCESS_ID=str(index),
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=str(ROOT),
-            JAX_ENABLE_COMPILATION_CACHE="false",  # multi-device CPU programs: see test_sharding
         )
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)
         cmd = [sys.executable, str(script)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = [p.communicate(timeout=300) for p in procs]

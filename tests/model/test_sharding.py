@@ -1,17 +1,15 @@
 """FSDP placement rules; the forward on a (data=2, fsdp=2, expert=2) mesh of 8 fake CPU devices
 equals one device's."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_jobs import cpu_env
 from jax.sharding import PartitionSpec
 
 from trace_jax.model.sharding import logical_to_spec, param_spec
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_logical_axes_map_to_mesh_axes():
@@ -22,16 +20,7 @@ def test_logical_axes_map_to_mesh_axes():
 
 @pytest.mark.slow
 def test_sharded_forward_equals_single_device():
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(ROOT),
-        # Multi-device CPU programs loaded from the persistent cache can deadlock in their
-        # collectives (XLA:CPU, jax 0.11.2: reproduced on a second run over one cache dir).
-        JAX_ENABLE_COMPILATION_CACHE="false",
-    )
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env = cpu_env(devices=8)
     script = Path(__file__).with_name("sharded_forward_check.py")
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600

@@ -1,7 +1,6 @@
 """Trainer steps: a policy learns a bandit, the update follows the reported loss, warm start,
 and a 2-device sharded RL step equals the single-device one."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_jobs import cpu_env
 from flax import nnx
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
@@ -20,7 +20,6 @@ from trace_jax.rl.losses import LossConfig, group_advantages, policy_loss
 from trace_jax.rl.trainer import RLBatch, Trainer, unguided
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig.preset("tiny").replace(num_layers=2)
 TARGETS = jnp.arange(100, 132)  # reward 1 for sampling one of these 32 of 256 tokens
 
@@ -134,16 +133,7 @@ def test_warm_start_lowers_the_supervised_loss_without_guidance():
 
 @pytest.mark.slow
 def test_two_device_sharded_rl_step_equals_one_device_and_the_loop_runs_sharded():
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(ROOT),
-        # Multi-device CPU programs loaded from the persistent cache can deadlock in their
-        # collectives (XLA:CPU, jax 0.11.2: reproduced on a second run over one cache dir).
-        JAX_ENABLE_COMPILATION_CACHE="false",
-    )
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env = cpu_env(devices=2)
     script = Path(__file__).with_name("sharded_step_check.py")
     proc = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
