@@ -22,7 +22,7 @@ from trace_jax.rollout.engine import prepack_expert_weights, quantize_expert_wei
 CFG = ModelConfig.preset("tiny").replace(num_layers=2)
 POLICY = QuantPolicy.rollout("nvfp4")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-SHAPE = dict(max_len=24, max_new_tokens=8)  # tests/rollout/test_engine.py's engine shape
+SHAPE = dict(max_len=32, max_new_tokens=8)  # tests/rollout/test_engine.py's engine shape
 ROLLOUT = {
     "xla": RolloutConfig(**SHAPE, kv_cache="nvfp4"),
     "pallas": RolloutConfig(**SHAPE, kv_cache="nvfp4", backend="pallas"),
