@@ -178,7 +178,7 @@ class ScriptedEngine:
         tokens, valid = np.asarray(tokens), np.asarray(valid)
         return self._write(state, {b: tokens[b][valid[b]] for b in range(len(tokens))}, False)
 
-    def decode(self, state, key):
+    def decode(self, state, key, row_ids=None):
         live = np.flatnonzero(~np.asarray(state.done))
         self.turn += 1
         return self._write(state, {b: self.actions[self.turn - 1] for b in live}, True)

@@ -94,8 +94,13 @@ class TaskIO:
         key: jax.Array,
         max_turns: int,
         times: dict[str, float] | None = None,
+        row_offset: int = 0,
     ) -> tuple[RolloutState, np.ndarray]:
         """Generate one sequence per problem. Returns the final state and rewards [B] float32.
+
+        ``row_offset``: the index of ``problems[0]`` in the whole batch (a process's part of a
+        multi-process batch): sequence b samples with row key ``row_offset + b``
+        (``RolloutEngine.decode``), as it would in the whole batch.
 
         ``times``, if given, receives the seconds of each part: ``rollout/prefill_s`` (prompts
         and observations appended), ``rollout/decode_s`` (the engine's decode loops) and
@@ -112,8 +117,9 @@ class TaskIO:
             "rollout/prefill_s", engine.append, engine.start(len(problems)), tokens, valid
         )
         starts = np.asarray(state.lengths)
+        rows = row_offset + np.arange(len(problems), dtype=np.int32)
         if not self.multi_turn:
-            state = clock("rollout/decode_s", engine.decode, state, key)
+            state = clock("rollout/decode_s", engine.decode, state, key, rows)
             with clock.part("rollout/env_s"):
                 ends = np.asarray(state.lengths)
                 rewards = [
@@ -121,9 +127,9 @@ class TaskIO:
                     for b, p in enumerate(problems)
                 ]
             return state, np.asarray(rewards, np.float32)
-        return self._episodes(engine, problems, state, key, max_turns, clock)
+        return self._episodes(engine, problems, state, key, max_turns, clock, rows)
 
-    def _episodes(self, engine, problems, state, key, max_turns, clock):
+    def _episodes(self, engine, problems, state, key, max_turns, clock, rows):
         b_size = len(problems)
         envs = [self.task.env(p) for p in problems]
         for env, p in zip(envs, problems, strict=True):
@@ -137,6 +143,7 @@ class TaskIO:
                 engine.decode,
                 dataclasses.replace(state, done=jnp.asarray(finished)),
                 jax.random.fold_in(key, turn),
+                rows,
             )
             with clock.part("rollout/env_s"):
                 after = np.asarray(state.lengths)

@@ -466,41 +466,59 @@ class RolloutEngine:
         return dataclasses.replace(state, done=jnp.zeros_like(state.done))
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-    def _decode(self, state_params, state: RolloutState, key, greedy):
+    def _decode(self, state_params, state: RolloutState, key, greedy, row_ids):
         cfg = self.cfg
         stop = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
         budget_end = jnp.minimum(state.lengths + cfg.max_new_tokens, cfg.max_len)
         done0 = state.done | (state.lengths >= budget_end)
+        # Row b draws with fold_in(key, row_ids[b]), then fold_in of the decode step: its tokens
+        # do not depend on which other rows share its batch.
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids)
 
         def cond(carry):
-            step, st, _ = carry
+            step, st = carry
             return (step < cfg.max_new_tokens) & ~jnp.all(st.done)
 
         def body(carry):
-            step, st, key = carry
-            key, sub = jax.random.split(key)
-            token, logprob = sample(st.last_logits, sub, cfg.sampling, greedy)
+            step, st = carry
+            keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)
+            token, logprob = sample(st.last_logits, keys, cfg.sampling, greedy)
             live = ~st.done
             token = jnp.where(live, token, cfg.pad_token)
             st = self._append(
                 state_params, st, token[:, None], live[:, None], True, logprob[:, None]
             )
             ended = jnp.isin(token, stop) | (st.lengths >= budget_end)
-            return step + 1, dataclasses.replace(st, done=st.done | (live & ended)), key
+            return step + 1, dataclasses.replace(st, done=st.done | (live & ended))
 
         state = dataclasses.replace(state, done=done0)
-        _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, key))
+        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
         return state
 
-    def decode(self, state: RolloutState, key: jax.Array) -> RolloutState:
+    def decode(
+        self, state: RolloutState, key: jax.Array, row_ids: jax.Array | None = None
+    ) -> RolloutState:
         """Sample up to ``max_new_tokens`` per sequence (jitted loop; the state is donated).
 
         Sequences whose ``state.done`` is set are left as they are (``append`` clears it; a
-        multi-turn driver sets it for finished episodes before decoding the next turn)."""
-        return self._decode(self.state, state, key, jnp.asarray(self.greedy))
+        multi-turn driver sets it for finished episodes before decoding the next turn).
 
-    def generate(self, prompts: list[list[int]], key: jax.Array) -> RolloutState:
-        """Prefill ``prompts`` (token id lists of any lengths) and decode."""
+        ``row_ids``: [B] int32, each row's index in the whole batch it belongs to (default
+        ``arange(B)``): row b samples with the key ``fold_in(key, row_ids[b])`` (and of that,
+        per decode step), so a batch split into parts (one per process) samples the tokens the
+        whole batch would."""
+        batch = state.tokens.shape[0]
+        rows = np.arange(batch, dtype=np.int32) if row_ids is None else row_ids
+        rows = jnp.asarray(rows, jnp.int32)
+        if rows.shape != (batch,):
+            raise ValueError(f"row_ids: shape {rows.shape}, want ({batch},)")
+        return self._decode(self.state, state, key, jnp.asarray(self.greedy), rows)
+
+    def generate(
+        self, prompts: list[list[int]], key: jax.Array, row_ids: jax.Array | None = None
+    ) -> RolloutState:
+        """Prefill ``prompts`` (token id lists of any lengths) and decode (``row_ids``: see
+        ``decode``)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         longest = max(len(p) for p in prompts)
@@ -511,4 +529,4 @@ class RolloutEngine:
         )
         valid = jnp.asarray([[i < len(p) for i in range(longest)] for p in prompts], bool)
         state = self.append(self.start(len(prompts)), tokens, valid)
-        return self.decode(state, key)
+        return self.decode(state, key, row_ids)

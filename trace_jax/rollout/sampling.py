@@ -82,7 +82,8 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, greedy=None):
 
     Args:
       logits: [B, V] float32.
-      key: PRNG key.
+      key: a PRNG key, or one per row ([B] keys): row b's draw then depends on its key alone,
+        not on the rows beside it (the rollout engine's per-row keys).
       greedy: None, or a traced bool (scalar or [B]): where True, the argmax and its log-prob
         under the untempered softmax, as ``temperature: 0`` (one program serves both).
     Returns:
@@ -91,6 +92,8 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, greedy=None):
     dist = sampling_logits(logits, cfg)
     if cfg.temperature == 0:
         tokens = jnp.argmax(dist, axis=-1)
+    elif _per_row(key):
+        tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, dist)
     else:
         tokens = jax.random.categorical(key, dist, axis=-1)
     if greedy is not None and cfg.temperature != 0:
@@ -99,3 +102,9 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig, greedy=None):
         dist = jnp.where(jnp.reshape(greedy, (-1, 1)), argmax, dist)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), tokens[:, None], -1)[:, 0]
     return tokens.astype(jnp.int32), logprobs
+
+
+def _per_row(key: jax.Array) -> bool:
+    """Whether ``key`` is a batch of keys: [B] typed keys or [B, 2] raw uint32 ones."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return key.ndim == (1 if typed else 2)
