@@ -28,21 +28,32 @@ class MetricsLog:
       resume_step: keep the records of steps <= this (a resumed run), drop the rest; None
         starts a new file.
       tensorboard: also write ``<run_dir>/tensorboard``.
+      write: False: write nothing (the processes of a multi-process job but the first).
     """
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        resume_step: int | None = None,
+        tensorboard: bool = True,
+        write: bool = True,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._writer, self._write = None, write
+        if not write:
+            return
         kept = []
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
+        if not self._write:
+            return
         record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -69,15 +80,18 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class Progress:
-    """A one-line progress bar with rate and ETA on stderr (a line per update when not a tty)."""
+    """A one-line progress bar with rate and ETA on stderr (a line per update when not a tty);
+    ``show=False``: silent (the processes of a multi-process job but the first)."""
 
-    def __init__(self, total: int, desc: str = "", start: int = 0, stream=None):
-        self.total, self.desc, self.done = total, desc, start
+    def __init__(self, total: int, desc: str = "", start: int = 0, stream=None, show=True):
+        self.total, self.desc, self.done, self.show = total, desc, start, show
         self.stream = stream or sys.stderr
         self._t0, self._n0 = time.perf_counter(), start
 
     def update(self, done: int, info: str = "") -> None:
         self.done = done
+        if not self.show:
+            return
         elapsed = time.perf_counter() - self._t0
         rate = (done - self._n0) / elapsed if elapsed > 0 else 0.0
         eta = (self.total - done) / rate if rate > 0 else float("nan")
