@@ -91,11 +91,11 @@ def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
 
 def check_fits(rl, cfg: ModelConfig, max_len: int, budget: int | None = None) -> MemoryPlan:
     """Raise ``ConfigError`` naming the budget, the parts and the knobs when the run's lower
-    bound exceeds ``budget`` bytes (default: the first device's memory limit, when it reports
-    one; no check otherwise)."""
+    bound exceeds ``budget`` bytes (default: the memory limit of this process's first device,
+    when it reports one; no check otherwise)."""
     got = plan(rl, cfg, max_len)
-    if budget is None:
-        stats = jax.devices()[0].memory_stats() or {}
+    if budget is None:  # another process's devices report nothing here
+        stats = jax.local_devices()[0].memory_stats() or {}
         budget = stats.get("bytes_limit")
     if budget and got.total > budget:
         raise ConfigError(
