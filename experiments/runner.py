@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 from jax._src import xla_bridge
+from jax.experimental import multihost_utils
 
 from experiments.registry import Experiment, get_experiment
 from trace_jax.config import (
@@ -147,12 +148,18 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     and write ``results.json`` with the run's ``summary`` (RL runs). Nothing is written when the
     settings are refused.
 
+    In a multi-process job (``init_distributed``) every process runs; process 0 alone writes
+    the settings, the summary and ``results.json``.
+
     Raises ``ConfigError``/``CheckpointError`` with a one-line message naming the key or file, and
     ``Interrupted`` on Ctrl-C.
     """
     resolved = {"experiment": exp.name, **to_dict(cfg)}
+    primary = jax.process_index() == 0
     existed = run_dir.exists()
     diff = check_run_dir(run_dir, resolved, allow_change)
+    if jax.process_count() > 1:  # all have read the recorded settings before process 0 writes
+        multihost_utils.sync_global_devices("run directory checked")
     if getattr(cfg, "deterministic", False):
         os.environ["XLA_FLAGS"] = deterministic_flags(
             os.environ.get("XLA_FLAGS", ""),
@@ -160,7 +167,7 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
             lambda: jax.default_backend(),
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    if diff or runlog.current_config(run_dir) is None:
+    if primary and (diff or runlog.current_config(run_dir) is None):
         first = runlog.record_config(run_dir, resolved)
         if diff:
             print(f"continuing {run_dir} from step {first} with {format_diff(diff)}")
@@ -170,10 +177,12 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     except KeyboardInterrupt:
         raise Interrupted(_interrupted(run_dir)) from None
     except USER_ERRORS:
-        if not existed and [p.name for p in run_dir.iterdir()] == [runlog.CONFIG]:
+        if primary and not existed and [p.name for p in run_dir.iterdir()] == [runlog.CONFIG]:
             (run_dir / runlog.CONFIG).unlink()  # refused before any work: leave nothing behind
             run_dir.rmdir()
         raise
+    if not primary:
+        return results
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         summary = runlog.summarize(runlog.read_metrics(metrics), getattr(cfg, "eval_split", "eval"))

@@ -24,10 +24,12 @@ def main():
     assert batch.shape == (rows * jax.process_count(), 3), batch.shape
     total = jax.jit(jnp.sum)(batch)  # replicated on every process: each reads its own copy
     print(f"process {index} of {jax.process_count()}: sum {float(total.addressable_data(0))}")
-    try:  # the RL loop is one process's for now: it says so before building anything
-        RLRun(RLConfig(), tempfile.mkdtemp())
-    except ConfigError as e:
-        print("RL loop refused:", e)
+    # the RL loop across processes refuses, in one line naming the key, what cannot split
+    for cfg in (RLConfig(prompts_per_step=3), RLConfig(model_overrides={"num_layers": 1})):
+        try:
+            RLRun(cfg, tempfile.mkdtemp())
+        except ConfigError as e:
+            print("RL loop refused:", e)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Multi-process JAX from the entry point's ``init_distributed``: two local CPU processes on a
-localhost coordinator see one global mesh, each feeds its slice of the batch."""
+localhost coordinator see one global mesh, each feeds its slice of the batch, and the RL loop
+refuses settings that do not split over them (the loop itself: tests/rl/test_multiprocess.py)."""
 
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def test_two_processes_reduce_one_global_batch():
     want = float(sum(range(24)))  # the global [8, 3] batch is 0..23
     for index, (out, _) in enumerate(outs):
         assert f"process {index} of 2: sum {want}" in out.decode(), out.decode()
-        assert "RL loop refused: JAX_NUM_PROCESSES" in out.decode(), out.decode()
+        assert "refused: prompts_per_step: 3 does not split over the job's 2" in out.decode()
+        assert "refused: mesh_data x mesh_fsdp x mesh_expert: 1 x 1 x 1" in out.decode()
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,17 @@
 """The RL loop across processes: a batch split over processes samples what the whole batch
-would (per-row keys)."""
+would (per-row keys), and two local CPU processes run the loop to the metrics of one process
+with the same global batch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
+import portpicker
+import pytest
+from cpu_jobs import ROOT, cpu_env
 from flax import nnx
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
@@ -23,3 +32,71 @@ def test_a_row_samples_the_same_tokens_in_any_part_of_its_batch():
         # float32 rounding: XLA:CPU picks its matmul kernels by shape, and the batch is a dim
         want = np.asarray(whole.logprobs)[part]
         np.testing.assert_allclose(np.asarray(got.logprobs), want, rtol=4e-7, atol=0)
+
+
+# A run that learns within its warm start (the 25 additions of 0-4, a half reward for a wrong
+# but well-formed answer), so that rewards, advantages and the RL loss are not all zero; FP4
+# rollout with TRACE guidance (spilled through tensorstore), code metrics on every row.
+CONFIG = """
+experiment: fp4_trace
+task: {name: reasoning, args: {num_operands: 2, max_value: 4, ops: ["+"], format_reward: 0.5}}
+model: tiny
+model_overrides: {num_layers: 1}
+steps: 3
+prompts_per_step: 2
+group_size: 2
+max_new_tokens: 12
+warm_start: {steps: 16, batch: 4, lr: 0.01}
+eval_every: 1
+eval_problems: 4
+eval_split: train
+checkpoint_every: 3
+guidance_host_bytes: 0
+mesh_data: 2
+tensorboard: false
+plot: false
+"""
+
+
+# What depends on the rollout's log-probs and guidance scales, not only on its tokens.
+ROUNDED = ("mismatch/logp_", "mismatch/kl_k3", "loss/", "train/")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_loop_to_the_metrics_of_one_with_the_same_global_batch(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG)
+    job = {"JAX_COORDINATOR_ADDRESS": f"localhost:{portpicker.pick_unused_port()}"}
+    runs = [("one", cpu_env(devices=2))]  # one process with 2 devices: mesh_data=2
+    runs += [("two", cpu_env(**job, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))) for i in (0, 1)]
+    cmd = [sys.executable, "-m", "experiments", "run", str(config), "--run-dir"]
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    procs = [subprocess.Popen([*cmd, str(tmp_path / d)], env=env, **out) for d, env in runs]
+    try:  # a process that fails leaves the other of its job waiting: the timeout ends it
+        outs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(19))  # process 0's records alone
+    assert (tmp_path / "two" / "checkpoints" / "18").is_dir()
+    rl = two[16:]
+    assert {r["reward"] for r in rl} - {0.0} and {r["train/loss"] for r in rl} - {0.0}
+    for a, b in zip(one, two, strict=True):
+        assert sorted(a) == sorted(b)
+        for key, want in a.items():
+            if key.endswith("_s") or key.endswith("_per_s"):  # wall clock
+                continue
+            if "reward" in a and key.startswith(ROUNDED):
+                # The rollouts' log-probs and guidance scales come from a forward at batch 2 on
+                # one device against batch 4 on two: float32 rounding (XLA:CPU picks its kernels
+                # by shape), up to 2 ulps of a log-prob in [4, 8); the sampled tokens are equal.
+                np.testing.assert_allclose(b[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
+            else:  # the warm start, rewards, eval, code and route agreement: exact
+                np.testing.assert_equal(b[key], want, err_msg=f"step {a['step']}: {key}")

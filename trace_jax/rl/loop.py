@@ -24,10 +24,24 @@ run directory, and ``init_checkpoint`` starts another run's RL from it. A step:
 
 A killed run restarts from its last checkpoint (``resume``) and continues exactly: every random
 draw is a function of (seed, step) and the data stream's position is checkpointed.
+
+Across processes (a multi-controller JAX job, ``experiments.runner.init_distributed``): the mesh
+spans every process's devices and the train state and batches are global arrays. Every process
+reads the same prompt streams and keeps its contiguous part of each batch (whole groups, so
+group advantages stay local; ``prompts_per_step`` and ``warm_start.batch`` divide by the process
+count), rolls it out with engines on its own devices (at this stage each process gathers a
+full copy of the parameters, replicated over its devices) and samples row i of the batch with
+the key of row i (``RolloutEngine.decode``'s ``row_ids``): the global batch, and so the run, is
+that of one process with the same mesh, up to float32 rounding of the rollout's forward at
+another batch size. Rollout-side metrics are gathered over processes (seconds: the slowest
+process's); process 0 alone writes metrics, TensorBoard, plots and logs. Every process saves and
+restores the orbax checkpoints (the run directory is on a filesystem all processes share) and
+keeps its own guidance cache (``guidance_spill/p<k>``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -38,7 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
+from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.guidance import GuidanceCache, model_guidance_bytes
 from trace_jax.model import (
@@ -153,7 +170,8 @@ class RLConfig:
       them in the rollout's decode step too: compile time independent of depth, each decode
       step slower (weights and cache sliced out of stacked copies; see ``RolloutConfig``).
     code_metrics_rows: sequences per step whose full rollout codes are recorded for the code
-      metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none).
+      metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none; across processes each
+      records its share, rounded up, evenly spaced over its rows).
     diagnostic: record full codes of every sequence (code metrics over the whole batch).
     ref_on_host: keep the frozen reference policy (``loss.kl_coef > 0``) in host memory.
     warm_start: supervised steps before RL.
@@ -172,7 +190,8 @@ class RLConfig:
     mesh_data, mesh_fsdp, mesh_expert: device mesh (data x fsdp x expert): routed experts are
       split over ``expert``; every parameter and its AdamW moments over ``fsdp`` (its largest
       dimension that divides, as FSDP does); the batch over ``data`` x ``fsdp`` (1 x 1 x 1: one
-      device).
+      device). In a multi-process job the mesh spans all ``jax.device_count()`` devices and
+      each process's devices hold one contiguous part of the batch (see the module docstring).
     tensorboard: also write TensorBoard event files.
     plot: write PNG curves at the end.
     """
@@ -340,6 +359,23 @@ def build_model(cfg: RLConfig) -> tuple[Transformer, Tokenizer]:
     return Transformer(model_config(cfg, TOKENIZER.vocab_size), nnx.Rngs(cfg.seed)), TOKENIZER
 
 
+def _check_processes(cfg: RLConfig, processes: int) -> None:
+    """What a job of ``processes`` processes needs of the config (one line naming the key)."""
+    if processes == 1:
+        return
+    sizes = {"prompts_per_step": cfg.prompts_per_step}
+    if cfg.warm_start.steps:
+        sizes["warm_start.batch"] = cfg.warm_start.batch
+    for key, size in sizes.items():
+        if size % processes:
+            raise ConfigError(
+                f"{key}: {size} does not split over the job's {processes} processes "
+                "(JAX_NUM_PROCESSES)"
+            )
+    if cfg.ref_on_host:
+        raise ConfigError(f"ref_on_host: one process only (this job has {processes})")
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -350,13 +386,12 @@ class RLRun:
     def __init__(self, cfg: RLConfig, run_dir: str | Path, *, log=print):
         self.started, self.eval_s = time.monotonic(), 0.0  # for time_limit_min
         self.start_digest = None  # sha256 of the parameters RL starts from (``_start_policy``)
-        if jax.process_count() > 1:  # rollouts, streams and metrics are per process for now
-            raise ConfigError(
-                f"JAX_NUM_PROCESSES: the RL loop runs in one process, not {jax.process_count()}"
-            )
+        self.processes, self.process = jax.process_count(), jax.process_index()
+        self.primary = self.process == 0  # writes the run's files and logs
+        _check_processes(cfg, self.processes)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.log = log
+        self.log = log if self.primary else lambda *_: None
         self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)  # its knobs checked first
         if not cfg.hf_checkpoint:  # before allocating anything (a checkpoint's config: below)
             self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
@@ -368,8 +403,14 @@ class RLRun:
             memory.check_fits(cfg, model.cfg, self.max_len)
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)
-        self.mesh = None
+        self.mesh = self.local_mesh = None
         mesh_size = cfg.mesh_data * cfg.mesh_fsdp * cfg.mesh_expert
+        if self.processes > 1 and mesh_size != jax.device_count():
+            raise ConfigError(
+                f"mesh_data x mesh_fsdp x mesh_expert: {cfg.mesh_data} x {cfg.mesh_fsdp} x "
+                f"{cfg.mesh_expert}; a job of {self.processes} processes runs on a mesh of all "
+                f"its {jax.device_count()} devices"
+            )
         if mesh_size > 1:
             if mesh_size > jax.device_count():
                 raise ConfigError(
@@ -383,6 +424,14 @@ class RLRun:
                 )
             self.mesh = make_mesh(data=cfg.mesh_data, fsdp=cfg.mesh_fsdp, expert=cfg.mesh_expert)
             model = shard_model(model, self.mesh)
+        if self.processes > 1:
+            self._check_batch_split()
+            # the engines' devices: this process's, each with a full copy of the parameters
+            local = jax.local_devices()
+            self.local_mesh = make_mesh(data=len(local), devices=local)
+            self._replicate = jax.jit(
+                lambda tree: tree, out_shardings=NamedSharding(self.mesh, PartitionSpec())
+            )
         self.model_cfg = model.cfg
         self.rollout_policy = rollout_policy(cfg)
 
@@ -420,6 +469,7 @@ class RLRun:
             optimizer_key=sft_optimizer,
         )
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
+        code_rows = -(-cfg.code_metrics_rows // self.processes)  # this process's share
         rollout_cfg = RolloutConfig(
             max_len=self.max_len,
             max_new_tokens=cfg.max_new_tokens,
@@ -429,25 +479,108 @@ class RLRun:
             pad_token=self.io.pad_id,
             fp4_weights=cfg.rollout == "fp4",
             backend=cfg.backend,
-            code_rows=None if cfg.diagnostic else cfg.code_metrics_rows or None,
+            code_rows=None if cfg.diagnostic else code_rows or None,
             scan_decode=cfg.scan_decode,
         )
-        self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
-        # Greedy evaluation with the rollout's precision, config and policy (its records are not
-        # used): batches of the rollout's size run the rollout's compiled programs.
-        self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
+        rollout_model = model  # one process: the engines take the mesh's arrays
+        if self.processes > 1:
+            rollout_model = self.trainer.model(self._local_params(nnx.state(model, nnx.Param)))
+        with self._on_local_devices():
+            self.engine = RolloutEngine(rollout_model, self.rollout_policy, rollout_cfg)
+            # Greedy evaluation with the rollout's precision, config and policy (its records are
+            # not used): batches of the rollout's size run the rollout's compiled programs.
+            self.eval_engine = RolloutEngine(
+                rollout_model, self.rollout_policy, rollout_cfg, greedy=True
+            )
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
+
+    # ------------------------------------------------------------------ processes
+
+    def _on_local_devices(self):
+        """The context of rollouts: this process's devices in a multi-process job (under the
+        global mesh a jitted function would take a process's own arrays for global ones)."""
+        if self.local_mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.local_mesh)
+
+    def _rows(self, size: int) -> tuple[int, int]:
+        """This process's rows [lo, hi) of a batch of ``size``: its contiguous part, in process
+        order (the whole batch in one process)."""
+        part = size // self.processes
+        return self.process * part, (self.process + 1) * part
+
+    def _check_batch_split(self) -> None:
+        """A multi-process mesh must give each process's devices exactly its ``_rows`` of a
+        batch (not so when ``expert`` spans processes: the batch is replicated over it)."""
+        cfg = self.cfg
+        size = cfg.prompts_per_step * cfg.group_size
+        index = batch_sharding(self.mesh, 1).addressable_devices_indices_map((size,))
+        held = sorted({i for (rows,) in index.values() for i in range(*rows.indices(size))})
+        if held != list(range(*self._rows(size))):
+            raise ConfigError(
+                f"mesh_expert: {cfg.mesh_expert} spans processes; across {self.processes} "
+                "processes mesh_data x mesh_fsdp must split the batch into one part per process"
+            )
+
+    def _local_params(self, params):
+        """``params`` as this process's engines take them: the arrays themselves in one process,
+        else a full copy on this process's devices, gathered over the global mesh."""
+        if self.processes == 1:
+            return params
+        full = self._replicate(params)
+        here = NamedSharding(self.local_mesh, PartitionSpec())
+        return jax.tree.map(lambda a: jax.device_put(a.addressable_data(0), here), full)
+
+    def _gather(self, local):
+        """Every process's rows (numpy, [rows of all processes, ...], in process order) of the
+        arrays ``local`` ([rows, ...] each, this process's)."""
+        if self.processes == 1:
+            return jax.tree.map(np.asarray, local)
+
+        def gather(a):  # a record's per-tensor scale (no rows) is the same everywhere
+            return multihost_utils.process_allgather(a, tiled=True) if np.ndim(a) else a
+
+        return _with_rows(jax.tree.map(gather, local), self.processes)
+
+    def _slowest(self, times: dict[str, float]) -> dict[str, float]:
+        """Seconds of each phase: the slowest process's (as float32)."""
+        if self.processes == 1 or not times:
+            return times
+        keys = sorted(times)
+        every = multihost_utils.process_allgather(np.asarray([times[k] for k in keys], np.float32))
+        return {k: float(v) for k, v in zip(keys, np.max(every, axis=0), strict=True)}
+
+    def _replicated(self, tree):
+        """Arrays whose values every process holds (host or its devices) as global arrays
+        replicated over the mesh (the arrays themselves in one process)."""
+        if self.processes == 1:
+            return tree
+        everywhere = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(everywhere, np.asarray(a)), tree
+        )
 
     # ------------------------------------------------------------------ pieces
 
     def _key(self, step: int, what: int) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), what)
 
-    def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array, times=None):
-        """Generate for ``problems`` (one sequence each), running environments if multi-turn.
-        Returns (state, rewards [B]); ``times`` (a dict) collects the seconds of each part."""
-        return self.io.rollout(engine, problems, key, self.cfg.max_turns, times=times)
+    def rollout(
+        self, engine: RolloutEngine, problems: list, key: jax.Array, times=None, row_offset=0
+    ):
+        """Generate for ``problems`` (one sequence each; the first is row ``row_offset`` of the
+        batch), running environments if multi-turn, on this process's devices. Returns (state,
+        rewards [B]); ``times`` (a dict) collects the seconds of each part."""
+        if self.processes > 1:  # a key made under the global mesh is a global array
+            data = np.asarray(jax.random.key_data(key))
+            impl = jax.random.key_impl(key)
+        with self._on_local_devices():
+            if self.processes > 1:
+                key = jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+            return self.io.rollout(
+                engine, problems, key, self.cfg.max_turns, times=times, row_offset=row_offset
+            )
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Greedy rollouts on the eval split with the rollout's precision: mean reward."""
@@ -455,32 +588,44 @@ class RLRun:
         if n == 0:
             return {}
         t0 = time.monotonic()
-        self.eval_engine.update_params(self.trainer.model(params), version=step)
+        model = self.trainer.model(self._local_params(params))
+        with self._on_local_devices():
+            self.eval_engine.update_params(model, version=step)
         problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
-        # In batches of the rollout's size (the last one filled up with repeats, not counted).
+        # In batches of the rollout's size (the last one filled up with repeats, not counted),
+        # each process rolling out its part.
         size = self.cfg.prompts_per_step * self.cfg.group_size
+        lo, hi = self._rows(size)
         rewards = []
         for i in range(0, n, size):
-            chunk = [problems[(i + j) % n] for j in range(size)]  # the last one wraps around
+            chunk = [problems[(i + j) % n] for j in range(lo, hi)]  # the last one wraps around
             key = jax.random.fold_in(self._key(step, 2), i)
-            _, got = self.rollout(self.eval_engine, chunk, key)
-            rewards.extend(got[: min(size, n - i)])
+            _, got = self.rollout(self.eval_engine, chunk, key, row_offset=lo)
+            rewards.extend(self._gather(got)[: min(size, n - i)])
         self.eval_s = time.monotonic() - t0
         return {"eval/reward": float(np.mean(rewards))}
 
     def _place(self, tree, batch_axis: int = 0):
         """Put [B, ...] arrays of a batch on the mesh, split over ``data`` x ``fsdp`` (no-op on
-        one device)."""
+        one device). Across processes each gives its own rows, ``_rows`` of the global batch."""
         if self.mesh is None:
             return tree
 
         def put(a):
-            return jax.device_put(a, batch_sharding(self.mesh, a.ndim, batch_axis))
+            if a.ndim == 0:  # not per row (a placeholder scale): the same in every process
+                return self._replicated(a)
+            sharding = batch_sharding(self.mesh, a.ndim, batch_axis)
+            if self.processes == 1:
+                return jax.device_put(a, sharding)
+            shape = list(a.shape)
+            shape[batch_axis] *= self.processes
+            return jax.make_array_from_process_local_data(sharding, np.asarray(a), tuple(shape))
 
-        return jax.tree.map(put, tree)
+        return _with_rows(jax.tree.map(put, tree), self.processes)
 
     def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
-        tokens, mask = self._place(self.io.demonstrations(problems, self.max_len))
+        lo, hi = self._rows(len(problems))
+        tokens, mask = self._place(self.io.demonstrations(problems[lo:hi], self.max_len))
         return self.sft_trainer.sft_step(state, tokens, mask)
 
     def _guidance(self, rs: RolloutState, version: int, ids: list, cache: GuidanceCache):
@@ -492,9 +637,12 @@ class RLRun:
         t0 = time.perf_counter()
         cache.put_batch(version, ids, records)
         fetched = cache.get(version, ids)
-        guidance = jax.block_until_ready(self._place(jax.tree.map(jnp.asarray, fetched)))
+        if self.processes == 1:
+            fetched = jax.tree.map(jnp.asarray, fetched)
+        guidance = jax.block_until_ready(self._place(fetched))
         cache.evict(version_below=version)  # older versions are never trained on again
-        nbytes = sum(r.nbytes for r in fetched.values())
+        # every process holds records of the same shapes for as many rows
+        nbytes = sum(r.nbytes for r in fetched.values()) * self.processes
         return guidance, {
             "guidance/transfer_s": time.perf_counter() - t0,
             "guidance/transfer_bytes": float(nbytes),
@@ -507,50 +655,61 @@ class RLRun:
         p, g = cfg.prompts_per_step, cfg.group_size
         rl_index = step - cfg.warm_start.steps
         version = max(rl_index - cfg.staleness, 0)
-        batch_problems = [pr for pr in problems for _ in range(g)]
+        lo, hi = self._rows(p)  # this process's prompts: whole groups
+        batch_problems = [pr for pr in problems[lo:hi] for _ in range(g)]
+        first = lo * g  # its first row of the batch
         t_step = time.perf_counter()
-        self.engine.update_params(self.trainer.model(rollout_params), version=version)
-        jax.block_until_ready(self.engine.state)
+        rollout_model = self.trainer.model(self._local_params(rollout_params))
+        with self._on_local_devices():
+            self.engine.update_params(rollout_model, version=version)
+            jax.block_until_ready(self.engine.state)
         times = {"rollout/refit_s": time.perf_counter() - t_step}
-        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times)
-        adv = group_advantages(jnp.asarray(rewards.reshape(p, g)), cfg.loss.advantage)
-
-        ids = [f"{step}/{i}" for i in range(p * g)]
-        guidance, transfer = self._guidance(rs, version, ids, cache)
-        placed = self._place(
-            dict(
+        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times, first)
+        with self._on_local_devices():  # this process's rows, on its devices
+            adv = group_advantages(jnp.asarray(rewards.reshape(hi - lo, g)), cfg.loss.advantage)
+            rows = dict(
                 tokens=rs.tokens,
                 filled=rs.filled,
                 loss_mask=rs.generated,
                 rollout_logp=rs.logprobs,
                 advantages=adv.reshape(-1),
             )
-        )
+            routes = jnp.moveaxis(rs.routes, 2, 0)
+
+        ids = [f"{step}/{first + i}" for i in range(len(batch_problems))]
+        guidance, transfer = self._guidance(rs, version, ids, cache)
+        codes = {
+            k.removesuffix(".codes"): v for k, v in rs.guidance.items() if k.endswith(".codes")
+        }
+        code_rows = rs.code_rows
+        if self.processes > 1:  # every process's code rows, numbered in the global batch
+            local = (codes, np.asarray(rs.code_rows) + first)
+            codes, code_rows = self._replicated(self._gather(local))
         batch = RLBatch(
-            **placed,
-            routes=self._place(jnp.moveaxis(rs.routes, 2, 0), batch_axis=1),
+            **self._place(rows),
+            routes=self._place(routes, batch_axis=1),
             guidance=guidance,
-            rollout_codes={
-                k.removesuffix(".codes"): v for k, v in rs.guidance.items() if k.endswith(".codes")
-            },
-            code_rows=rs.code_rows,
+            rollout_codes=codes,
+            code_rows=code_rows,
         )
         ref = self.ref_params
         if ref is not None and cfg.ref_on_host:
             ref = jax.device_put(ref, jax.tree.map(lambda a: a.sharding, state.params))
         state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
-        generated = int(rs.generated.sum())
+        all_rewards = self._gather(rewards)
+        generated = int(self._gather(np.asarray(rs.generated).sum(1)).sum())
         m.update(times)
         m.update(transfer)
+        m.update(self._slowest({k: v for k, v in m.items() if k.endswith("_s")}))
         m.update(
             {
-                "reward": float(rewards.mean()),
+                "reward": float(all_rewards.mean()),
                 "response_length": generated / (p * g),
-                "rollout/tokens_per_s": generated / times["rollout/decode_s"],
+                "rollout/tokens_per_s": generated / m["rollout/decode_s"],
                 "train/step_s": sum(
                     v for k, v in m.items() if k.startswith("train/") and k.endswith("_s")
                 ),
-                "step_s": time.perf_counter() - t_step,
+                "step_s": self._slowest({"s": time.perf_counter() - t_step})["s"],
                 "policy_version_lag": float(rl_index - version),
             }
         )
@@ -568,11 +727,15 @@ class RLRun:
 
     def _start_policy(self, params) -> None:
         """Write the policy RL starts from to ``<run_dir>/policy`` (once) and, for the KL
-        term, keep it as the frozen reference."""
+        term, keep it as the frozen reference. Every process takes part in the save."""
         path = self.run_dir / "policy"
-        if not path.exists():
+        exists = path.exists()
+        if self.processes > 1:  # all have looked before any writes: all save, or none
+            multihost_utils.sync_global_devices("policy")
+        if not exists:
             save_params(path, self.trainer.model(params))
-        self.start_digest = params_digest(params)  # in results.json: runs' starts compared
+        # in results.json: runs' starts compared (a process's copy: FSDP splits the global one)
+        self.start_digest = params_digest(self._local_params(params))
         if self.cfg.loss.kl_coef > 0:
             ref = restore_params(path, self.trainer.model(_copy(params)))
             self.ref_params = nnx.state(ref, nnx.Param)
@@ -586,7 +749,10 @@ class RLRun:
         if not limit or not step_s:
             return False
         elapsed = time.monotonic() - self.started
-        return elapsed + 2 * step_s + self.eval_s > limit
+        out = elapsed + 2 * step_s + self.eval_s > limit
+        if self.processes > 1:  # process 0's clock decides for all: they stop at one step
+            out = bool(multihost_utils.broadcast_one_to_all(np.asarray(out)))
+        return out
 
     def _step(self, step: int, state: TrainState, history: list, streams: dict, cache, last=False):
         """Step ``step`` of the run: a warm-start update, or an RL step (the first one takes
@@ -647,13 +813,16 @@ class RLRun:
             self.run_dir,
             resume_step=start - 1 if latest is not None else None,
             tensorboard=cfg.tensorboard,
+            write=self.primary,
         )
         spill = self.run_dir / "guidance_spill"
+        if self.processes > 1:  # each process's cache holds its own rows
+            spill = spill / f"p{self.process}"
         if spill.exists():  # leftovers of a killed run: records are recomputed, never reused
             for f in sorted(spill.rglob("*"), reverse=True):
                 f.unlink() if f.is_file() else f.rmdir()
         cache = GuidanceCache(spill, host_budget_bytes=cfg.guidance_host_bytes)
-        progress = runlog.Progress(total, "train", start=start)
+        progress = runlog.Progress(total, "train", start=start, show=self.primary)
         last: dict[str, float] = {}
         try:  # a failing or interrupted run still closes its files (checkpoints stay)
             step_s = 0.0  # the last step's seconds, for time_limit_min
@@ -687,7 +856,7 @@ class RLRun:
             ckpt.close()
         self.final_state = state
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
-        if cfg.plot and records:
+        if cfg.plot and records and self.primary:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
         return {
             "last": last,
@@ -717,6 +886,19 @@ def _restore_policy(path: str, model: Transformer) -> None:
         raise ConfigError(
             f"init_checkpoint: {folder} does not hold parameters of this model config ({first})"
         ) from None
+
+
+def _with_rows(tree, processes: int):
+    """``tree`` whose records (``fp4.Guidance`` / ``QTensor`` [B, ...], a shape of B rows in
+    their static fields) were made of one process's B rows, with the shape of every process's
+    rows (the arrays are the global ones already)."""
+
+    def grow(r):
+        if processes == 1 or not isinstance(r, fp4.Guidance | fp4.QTensor):
+            return r
+        return dataclasses.replace(r, shape=(r.shape[0] * processes, *r.shape[1:]))
+
+    return jax.tree.map(grow, tree, is_leaf=lambda x: isinstance(x, fp4.Guidance | fp4.QTensor))
 
 
 def _copy(tree):
