@@ -155,17 +155,17 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     ``Interrupted`` on Ctrl-C.
     """
     resolved = {"experiment": exp.name, **to_dict(cfg)}
-    primary = jax.process_index() == 0
-    existed = run_dir.exists()
-    diff = check_run_dir(run_dir, resolved, allow_change)
-    if jax.process_count() > 1:  # all have read the recorded settings before process 0 writes
-        multihost_utils.sync_global_devices("run directory checked")
-    if getattr(cfg, "deterministic", False):
+    if getattr(cfg, "deterministic", False):  # before anything starts the backend
         os.environ["XLA_FLAGS"] = deterministic_flags(
             os.environ.get("XLA_FLAGS", ""),
             xla_bridge.backends_are_initialized(),
             lambda: jax.default_backend(),
         )
+    primary = jax.process_index() == 0
+    existed = run_dir.exists()
+    diff = check_run_dir(run_dir, resolved, allow_change)
+    if jax.process_count() > 1:  # all have read the recorded settings before process 0 writes
+        multihost_utils.sync_global_devices("run directory checked")
     run_dir.mkdir(parents=True, exist_ok=True)
     if primary and (diff or runlog.current_config(run_dir) is None):
         first = runlog.record_config(run_dir, resolved)

@@ -5,11 +5,14 @@ aggregates every run."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from cpu_jobs import ROOT, cpu_env
 
 from experiments.__main__ import main, resolve
 from trace_jax.config import ConfigError
@@ -230,6 +233,43 @@ def test_summarize_is_a_hand_computation():
     table = runlog.format_summary(s)
     assert "eval reward (greedy, train split), end of RL" in table
     assert "train reward (sampled), last 2 of 10 RL steps" in table
+
+
+# A fresh process: does ``execute`` set the flag before anything (e.g. asking for the process
+# index) starts the backend? On a GPU a late flag is refused, so `deterministic: true` runs failed.
+FRESH_EXECUTE = """
+import dataclasses, sys
+from pathlib import Path
+from jax._src import xla_bridge
+from experiments import runner
+from experiments.registry import Experiment
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    deterministic: bool = True
+
+def run(cfg, run_dir):
+    return {"started_before_flags": started[0]}
+
+started = []
+flags = runner.deterministic_flags
+runner.deterministic_flags = lambda f, s, b: started.append(s) or flags(f, s, b)
+print(runner.execute(Experiment("probe", Cfg, run, ""), Cfg(), Path(sys.argv[1])))
+"""
+
+
+def test_execute_sets_the_deterministic_flag_before_the_backend_starts(tmp_path):
+    env = cpu_env(devices=1)
+    out = subprocess.run(
+        [sys.executable, "-c", FRESH_EXECUTE, str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "{'started_before_flags': False}" in out.stdout, out.stdout
 
 
 def test_deterministic_sets_xlas_flag_before_the_gpu_starts_and_refuses_after():
