@@ -1,5 +1,6 @@
 """Run with 2 fake CPU devices: an RL step (SGD, so that parameters compare) on a (data=2), an
-(expert=2) and an (fsdp=2) mesh equals the single-device step, and the RL loop runs with FSDP.
+(expert=2) and an (fsdp=2) mesh equals the single-device step, the rollout engine on each mesh
+samples the single-device engine's tokens, and the RL loop runs with FSDP.
 Executed by ``test_trainer.py`` in a fresh process."""
 
 import jax
@@ -13,6 +14,10 @@ from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLBatch, Trainer
 from trace_jax.rollout import RolloutConfig, RolloutEngine
+from trace_jax.rollout.engine import _expert_params
+
+ROLLOUT = RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
+PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9]]
 
 
 def step(model, batch, mesh=None):
@@ -28,10 +33,8 @@ def main():
     assert jax.device_count() == 2, jax.devices()
     cfg = ModelConfig.preset("tiny").replace(num_layers=2)
     model = Transformer(cfg, nnx.Rngs(0))
-    engine = RolloutEngine(
-        model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
-    )
-    rs = engine.generate([[1, 2, 3], [4, 5], [6], [7, 8, 9]], jax.random.key(0))
+    engine = RolloutEngine(model, QuantPolicy.rollout(), ROLLOUT)
+    rs = engine.generate(PROMPTS, jax.random.key(0))
     batch = RLBatch(
         tokens=rs.tokens,
         filled=jnp.arange(12)[None] < rs.lengths[:, None],
@@ -71,9 +74,33 @@ def main():
             jax.tree.leaves(state.params), jax.tree.leaves(placed), strict=True
         ):
             assert a.sharding.is_equivalent_to(want_sharding, a.ndim), (a.sharding, want_sharding)
+        check_rollout(sharded, mesh, rs)
         print(axes, "ok")
     print("sharded RL step OK")
     check_loop()
+
+
+def check_rollout(sharded, mesh, want):
+    """The rollout engine on the mesh: its FP4 expert weights are quantized where the
+    parameters are (split over ``fsdp`` / ``expert``, not gathered), its KV cache and records are
+    split over the batch, and it samples the single-device engine's tokens."""
+    with jax.set_mesh(mesh):
+        engine = RolloutEngine(sharded, QuantPolicy.rollout(), ROLLOUT)
+        got = engine.generate(PROMPTS, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+    quantized = nnx.merge(engine.graphdef, engine.state)
+    pairs = list(zip(_expert_params(sharded), _expert_params(quantized), strict=True))
+    assert pairs
+    for p, q in pairs:  # experts [E, K, N] -> codes [E, K, N / 2], on the same devices
+        w, codes = p.get_value(), q.get_value().codes
+        assert codes.addressable_shards[0].data.size * 2 == w.addressable_shards[0].data.size, (
+            w.sharding,
+            codes.sharding,
+        )
+    rows = len(PROMPTS) // (mesh.shape["data"] * mesh.shape["fsdp"])  # all rows on expert=2
+    for a in jax.tree.leaves(got.cache)[:-1]:  # K and V of each layer; the lengths last
+        assert a.addressable_shards[0].data.shape[0] == rows, a.sharding
 
 
 def check_loop():

@@ -142,6 +142,26 @@ def commit(tree):
     return jax.tree.map(put, tree)
 
 
+def place_batch(tree, batch: int):
+    """``tree`` (a rollout's state: arrays [B, ...] and a few others) placed on the current
+    mesh (``jax.set_mesh``): arrays whose leading dimension is the batch ``batch`` split over
+    ``data`` x ``fsdp`` (the KV cache, tokens, records; on ``expert`` every device holds every
+    row, as the trainer's batch), the rest replicated. Without a mesh of
+    several devices: ``commit``. Decoding keeps each sequence's cache on the devices of its
+    rows, where propagation from FSDP-split weights would split it along the head dimension."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or mesh.size == 1:
+        return commit(tree)
+    split = batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0
+
+    def put(a):
+        if split and a.ndim and a.shape[0] == batch:
+            return jax.device_put(a, batch_sharding(mesh, a.ndim))
+        return jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree.map(put, tree)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2, batch_axis: int = 0) -> NamedSharding:
     """Inputs such as tokens [B, T]: the batch axis over ``data`` x ``fsdp``."""
     spec = [None] * ndim

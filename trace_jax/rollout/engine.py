@@ -25,7 +25,7 @@ from pallas_kernels.layouts import Fp4Weight, prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
-from trace_jax.model.sharding import commit
+from trace_jax.model.sharding import commit, place_batch
 from trace_jax.rollout import kv_cache
 from trace_jax.rollout.sampling import SamplingConfig, sample
 
@@ -296,7 +296,7 @@ class RolloutEngine:
             c.kv_cache, m.num_layers, batch, c.max_len, m.num_kv_heads, m.head_dim, dtype
         )
         s = c.max_len
-        return commit(
+        return place_batch(
             RolloutState(
                 cache=cache,
                 tokens=jnp.full((batch, s), c.pad_token, jnp.int32),
@@ -307,7 +307,8 @@ class RolloutEngine:
                 last_logits=jnp.zeros((batch, m.vocab_size), jnp.float32),
                 done=jnp.zeros((batch,), bool),
                 code_rows=jnp.asarray(sampled_rows(batch, c.code_rows)),
-            )
+            ),
+            batch,
         )
 
     def _empty_guidance(self, batch: int) -> dict[str, Record]:
