@@ -47,6 +47,7 @@ STEPS=(
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
+  "rl-deterministic-ab|420|for d in false true; do XLA_FLAGS=\$( [ \$d = true ] && echo --xla_gpu_deterministic_ops=true ) $RUN $MEDIUM steps=0 warm_start.steps=30 eval_problems=0 deterministic=\$d checkpoint_every=1000 --run-dir runs/det-\$d || exit 1; done; $PHASES runs/det-*"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=8.2 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
   "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"

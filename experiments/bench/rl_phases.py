@@ -26,11 +26,16 @@ PHASES = (
 
 def phase_table(run_dir: Path) -> dict[str, float]:
     """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/transfer_bytes`` over the
-    RL steps of a run after its first; plus the last train reward, eval reward and logp_abs."""
+    RL steps of a run after its first (and of the warm start's steps after its first); plus the
+    last train reward, eval reward and logp_abs."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    rl = [r for r in map(json.loads, lines) if "reward" in r]
+    records = list(map(json.loads, lines))
+    rl = [r for r in records if "reward" in r]
+    sft = [r["sft/step_s"] for r in records if "sft/step_s" in r]
     steady = rl[1:] or rl
-    row: dict[str, float] = {"rl_steps": float(len(rl))}
+    row: dict[str, float] = {"sft_steps": float(len(sft)), "rl_steps": float(len(rl))}
+    if sft:  # the warm start's steps after its first (which compiles)
+        row["sft/step_s"] = statistics.median(sft[1:] or sft)
     for key in (*PHASES, "rollout/tokens_per_s", "guidance/transfer_bytes"):
         values = [r[key] for r in steady if key in r]
         if values:

@@ -760,8 +760,10 @@ class RLRun:
         metrics)."""
         cfg = self.cfg
         if step < cfg.warm_start.steps:
+            t0 = time.perf_counter()
             state, m = self.warm_start_step(state, next(streams["sft_stream"]))
-            m = {k: float(v) for k, v in m.items()}
+            m = {k: float(v) for k, v in m.items()}  # waits for the step
+            m["sft/step_s"] = self._slowest({"s": time.perf_counter() - t0})["s"]
             if cfg.steps == 0 and step == cfg.warm_start.steps - 1:  # what the warm start gives
                 m.update(self.evaluate(state.params, step))
             return state, history, m
