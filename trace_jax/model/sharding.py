@@ -149,15 +149,18 @@ def place_batch(tree, batch: int):
     row, as the trainer's batch), the rest replicated. Without a mesh of
     several devices: ``commit``. Decoding keeps each sequence's cache on the devices of its
     rows, where propagation from FSDP-split weights would split it along the head dimension."""
-    mesh = jax.sharding.get_mesh()
+    mesh = jax.sharding.get_abstract_mesh()  # also inside jit, where get_mesh is refused
     if mesh.empty or mesh.size == 1:
         return commit(tree)
     split = batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0
 
     def put(a):
+        spec = PartitionSpec()
         if split and a.ndim and a.shape[0] == batch:
-            return jax.device_put(a, batch_sharding(mesh, a.ndim))
-        return jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+            spec = PartitionSpec(BATCH_AXES, *[None] * (a.ndim - 1))
+        if isinstance(a, jax.core.Tracer):  # a state built inside a traced function
+            return jax.lax.with_sharding_constraint(a, spec)
+        return jax.device_put(a, NamedSharding(jax.sharding.get_mesh(), spec))
 
     return jax.tree.map(put, tree)
 
