@@ -155,9 +155,7 @@ def place_batch(tree, batch: int):
     split = batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0
 
     def put(a):
-        spec = PartitionSpec()
-        if split and a.ndim and a.shape[0] == batch:
-            spec = PartitionSpec(BATCH_AXES, *[None] * (a.ndim - 1))
+        spec = batch_spec(a.ndim) if split and a.ndim and a.shape[0] == batch else PartitionSpec()
         if isinstance(a, jax.core.Tracer):  # a state built inside a traced function
             return jax.lax.with_sharding_constraint(a, spec)
         return jax.device_put(a, NamedSharding(jax.sharding.get_mesh(), spec))
@@ -165,8 +163,13 @@ def place_batch(tree, batch: int):
     return jax.tree.map(put, tree)
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2, batch_axis: int = 0) -> NamedSharding:
-    """Inputs such as tokens [B, T]: the batch axis over ``data`` x ``fsdp``."""
+def batch_spec(ndim: int = 2, batch_axis: int = 0) -> PartitionSpec:
+    """An array of ``ndim`` dimensions split over ``data`` x ``fsdp`` along ``batch_axis``."""
     spec = [None] * ndim
     spec[batch_axis] = BATCH_AXES
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return PartitionSpec(*spec)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, batch_axis: int = 0) -> NamedSharding:
+    """Inputs such as tokens [B, T]: the batch axis over ``data`` x ``fsdp``."""
+    return NamedSharding(mesh, batch_spec(ndim, batch_axis))
