@@ -118,6 +118,13 @@ def _duration(s: float) -> str:
     )
 
 
+def curve_points(records: Sequence[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` in the records that log it; the greedy evaluation before RL,
+    logged as ``eval/reward_start``, is the first point of ``eval/reward``."""
+    also = "eval/reward_start" if key == "eval/reward" else key
+    return [(r["step"], r[key] if key in r else r[also]) for r in records if key in r or also in r]
+
+
 def plot_curves(
     runs: Mapping[str, Sequence[dict]], keys: Sequence[str], path: Path, title: str = ""
 ) -> Path:
@@ -135,7 +142,7 @@ def plot_curves(
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         for label, recs in runs.items():
-            pts = [(r["step"], r[key]) for r in recs if key in r]
+            pts = curve_points(recs, key)
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=label, marker="." if len(pts) < 30 else None)
         ax.set_title(key, fontsize=9)

@@ -80,12 +80,16 @@ class TaskIO:
             valid[b, : len(row)] = True
         return jnp.asarray(tokens), jnp.asarray(valid)
 
-    def completion(self, state: RolloutState, b: int, start: int, end: int) -> str:
-        """The text the policy generated in slots [start, end) of sequence ``b`` (stop tokens
-        and any non-text ids dropped)."""
-        ids = np.asarray(state.tokens[b, start:end])
-        gen = np.asarray(state.generated[b, start:end])
-        return self.tok.decode(ids[gen], errors="replace")
+    def completions(self, state: RolloutState, starts, ends) -> list[str]:
+        """The text the policy generated in slots [starts[b], ends[b]) of each sequence b (stop
+        tokens and any non-text ids dropped). The tokens come to the host once for the batch:
+        slicing the device array row by row cost ~1.7 ms a row (0.44 s of a 2.8 s RL step with
+        256 rollouts at ``medium`` on an H100)."""
+        tokens, generated = np.asarray(state.tokens), np.asarray(state.generated)
+        return [
+            self.tok.decode(tokens[b, s:e][generated[b, s:e]], errors="replace")
+            for b, (s, e) in enumerate(zip(starts, ends, strict=True))
+        ]
 
     def rollout(
         self,
@@ -121,11 +125,8 @@ class TaskIO:
         if not self.multi_turn:
             state = clock("rollout/decode_s", engine.decode, state, key, rows)
             with clock.part("rollout/env_s"):
-                ends = np.asarray(state.lengths)
-                rewards = [
-                    self.task.reward(p, self.completion(state, b, starts[b], ends[b]))
-                    for b, p in enumerate(problems)
-                ]
+                texts = self.completions(state, starts, np.asarray(state.lengths))
+                rewards = [self.task.reward(p, t) for p, t in zip(problems, texts, strict=True)]
             return state, np.asarray(rewards, np.float32)
         return self._episodes(engine, problems, state, key, max_turns, clock, rows)
 
@@ -170,12 +171,13 @@ class TaskIO:
         (slots ``before``..``after``); returns the observation tokens to append (none for an
         episode that ended: ``finished`` and ``rewards`` are updated in place)."""
         max_len = state.tokens.shape[1]
+        texts = self.completions(state, before, after)
         observations = []
         for b, env in enumerate(envs):
             if finished[b]:
                 observations.append([])
                 continue
-            obs, done, reward = env.step(self.completion(state, b, before[b], after[b]))
+            obs, done, reward = env.step(texts[b])
             ids = self.tok.observation_ids(obs)
             if done or after[b] + len(ids) >= max_len:  # no room for another turn: ends
                 finished[b] = True
