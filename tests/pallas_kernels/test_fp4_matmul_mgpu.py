@@ -41,17 +41,13 @@ def test_identity_rows_recover_dequantize_exactly():
     k, n = 256, 128
     qt = _weights(k, n)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
-    y = fmm.fp4_matmul_mgpu(
-        jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), cfg, interpret=True
-    )
+    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), cfg, interpret=True)
     expected = fp4.dequantize(qt, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert set(np.unique(np.asarray(fp4.unpacked_codes(qt)))) >= set(range(16)) - {8}
     # the same with K split over two warpgroups (each row's one nonzero term in one part)
     ksplit = fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups")
-    y = fmm.fp4_matmul_mgpu(
-        jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), ksplit, interpret=True
-    )
+    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), ksplit, interpret=True)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
 
 
@@ -249,9 +245,7 @@ def test_gpu_register_operand_not_overwritten(m, cfg):
     k, n = 8192, 28672
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 1)
-    assert_close(
-        fmm.fp4_matmul_mgpu(x, _packed(qt), cfg), fm.fp4_matmul_reference(x, qt)
-    )
+    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt), cfg), fm.fp4_matmul_reference(x, qt))
 
 
 def test_fp4_matmul_dispatch():
@@ -342,9 +336,7 @@ def test_grouped_prepack_and_bad_inputs():
     with pytest.raises(ValueError, match="do not match"):
         fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), w.mgpu, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="expert weights"):
-        fmm.fp4_grouped_matmul_mgpu(
-            random_x(4, 128, 0), _packed(_weights(128, 64)), 0
-        )
+        fmm.fp4_grouped_matmul_mgpu(random_x(4, 128, 0), _packed(_weights(128, 64)), 0)
     with pytest.raises(ValueError, match="dense"):
         fmm.fp4_matmul_mgpu(random_x(4, 128, 0), w.mgpu)
     with pytest.raises(ValueError, match="block_m"):
@@ -525,9 +517,7 @@ def test_oversized_config_is_refused():
     # a config that does not fit in shared memory is refused with the size it would need
     with pytest.raises(ValueError, match="shared memory"):
         big = fmm.MgpuMatmulConfig(block_k=256, stages=4)
-        fmm.fp4_matmul_mgpu(
-            random_x(256, 1024, 0), _packed(_weights(1024, 64)), big
-        )
+        fmm.fp4_matmul_mgpu(random_x(256, 1024, 0), _packed(_weights(1024, 64)), big)
 
 
 @pytest.mark.parametrize(
