@@ -21,14 +21,17 @@ from trace_jax.rollout import kv_cache
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SMALL = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
 
-
-# heads_per_program 2: both KV heads' query groups share a program's rows, each row masked to its
-# own head's slots
-HEADS = pytest.mark.parametrize("hp", [1, 2], ids=["1head", "2heads"])
+# hp (heads_per_program) 2: both KV heads' query groups share a program's rows, each row masked
+# to its own head's slots
 
 
-@HEADS
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("fmt", "hp"),
+    # every format with one head per program; two heads for each operand structure that the
+    # two-head tile reshapes (bf16 values; fp8 values + per-token scales; FP4 codes + block
+    # scales + per-token scales, the same for MXFP4 as for NVFP4)
+    [(f, 1) for f in FORMATS] + [("bf16", 2), ("fp8", 2), ("nvfp4", 2)],
+)
 def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     # Lengths 1, the maximum and in between; slots past each length hold NaN bytes, which the
     # kernel must never read into the result.
@@ -47,8 +50,12 @@ def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     )
 
 
-@HEADS
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("fmt", "hp"),
+    # the window's bounds are format-independent slot arithmetic (one and two heads per
+    # program); each format's tile load at a window's unaligned start once
+    [("bf16", 2), ("fp8", 1), ("nvfp4", 2), ("mxfp4", 1)],
+)
 def test_sliding_window(fmt, hp):
     b, s, hkv, hq, d = 3, 64, 2, 4, 32
     window = 21
@@ -148,10 +155,9 @@ def test_reference_matches_plain_softmax():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kv_append_equals_cache_write(fmt, kernel):
     b, s, hkv, d = 3, 32, 2, 64
-    rng = jax.random.key(9)
-    base = jax.random.normal(rng, (b, s, hkv, d), jnp.float32)
-    buf = kc.stored_cache(fmt, base)
-    x = jax.random.normal(jax.random.key(10), (b, 1, hkv, d), jnp.float32).astype(jnp.bfloat16)
+    base = np.random.default_rng(9).standard_normal((b, s, hkv, d), np.float32)
+    buf = kc.stored_cache(fmt, jnp.asarray(base))
+    x = kc.random_x(b * hkv, d, seed=10).reshape(b, 1, hkv, d)
     lengths = jnp.array([0, 31, 32], jnp.int32)  # first slot, last slot, full (dropped)
     valid = jnp.array([[True], [True], [True]])
     qt = None
@@ -179,9 +185,10 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
     """K and V of a layer through one kernel launch equal two separate cache writes."""
     b, s, hkv, d = 4, 16, 2, 32
     k_buf, v_buf = (
-        kc.stored_cache(fmt, jax.random.normal(jax.random.key(i), (b, s, hkv, d))) for i in (1, 2)
+        kc.stored_cache(fmt, kc.random_x(b * s * hkv, d, seed=i).reshape(b, s, hkv, d))
+        for i in (1, 2)
     )
-    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    k, v = (kc.random_x(b * hkv, d, seed=i).reshape(b, hkv, d) for i in (3, 4))
     lengths = jnp.array([5, 0, 15, 9], jnp.int32)
     valid = jnp.array([True, True, False, True])
     got = fa.kv_append_many(
@@ -196,9 +203,12 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
         _assert_same_bytes(out, expect)
 
 
-@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize(
-    ("fmt", "tensor_cores"), [(f, False) for f in FORMATS] + [("nvfp4", True), ("mxfp4", True)]
+    ("fmt", "tensor_cores", "window"),
+    # each format through the Triton kernel's fused append and both through the Mosaic GPU
+    # kernel's; the window (format-independent bounds that count the new token) once per kernel
+    [(f, False, None) for f in FORMATS]
+    + [("nvfp4", False, 9), ("nvfp4", True, None), ("mxfp4", True, None), ("nvfp4", True, 9)],
 )
 def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
@@ -208,7 +218,7 @@ def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     if tensor_cores:  # 64-slot steps, 16-byte rows of scales
         s, hkv, hq, d = 128, 4, 16, 64 if fmt == "nvfp4" else 128
     q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=11)
-    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    k, v = (kc.random_x(b * hkv, d, seed=i).reshape(b, hkv, d) for i in (3, 4))
     lengths = jnp.array([0, 17, s - 1, s], jnp.int32)  # empty, middle, last slot, full (dropped)
     valid = jnp.array([True, False, True, True])
     want_k, want_v = fa.kv_append_many(
@@ -289,7 +299,7 @@ def test_gpu_window_and_small_tiles(fmt):
 def test_gpu_fused_append_at_benchmark_shapes(fmt, b, s):
     hkv, hq, d = 4, 32, 128
     q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=b + 1)
-    k, v = (jax.random.normal(jax.random.key(i), (b, hkv, d)).astype(jnp.bfloat16) for i in (3, 4))
+    k, v = (kc.random_x(b * hkv, d, seed=i).reshape(b, hkv, d) for i in (3, 4))
     lengths = jax.random.randint(jax.random.key(s), (b,), 0, s + 1, jnp.int32)
     lengths = lengths.at[0].set(0).at[1].set(s - 1).at[2].set(s)
     valid = jnp.arange(b) % 5 != 3
