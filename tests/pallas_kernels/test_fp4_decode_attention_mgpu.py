@@ -80,7 +80,10 @@ def test_mxfp4_matches_reference_with_poisoned_stale_slots(window):
     kc.assert_attn_close(y, ref)
 
 
-@pytest.mark.parametrize("window", [7, 21, 100])
+# 7: the window inside one 64-slot step for one sequence, across a step boundary for another;
+# 100: a window over two or three steps, its start inside the first (a window of 21 reads the
+# same steps as 7)
+@pytest.mark.parametrize("window", [7, 100])
 def test_sliding_window(window):
     b, s, hkv, hq, d = 3, 256, 4, 8, 64
     q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=5)
@@ -99,7 +102,7 @@ def test_more_exact_than_the_triton_kernel():
     q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=9)
     lengths = jnp.array([97, 128, 1, 5], jnp.int32)
     ref = np.asarray(_reference_f32(q, k, v, lengths))
-    cfg = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
+    cfg = ft.DecodeAttentionConfig(block_k=32, num_splits=2)  # p rounded alike at any block_k
     triton = np.asarray(fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True))
     y = np.asarray(_run(q, k, v, lengths), np.float32)
     err = lambda out: np.linalg.norm(out.astype(np.float32) - ref)  # noqa: E731
