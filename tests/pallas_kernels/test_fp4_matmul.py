@@ -2,8 +2,8 @@
 compiled kernel at the benchmark shapes on a GPU."""
 
 import dataclasses
+import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +18,10 @@ from trace_jax import fp4
 FORMATS = ("nvfp4", "mxfp4")
 
 
-def _weights(k, n, fmt, seed, scale=0.05):
-    w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * scale
-    return fp4.quantize(w, fmt, axis=0)
+@functools.cache  # one quantization per shape and format: the interpret tests share weights
+def _weights(k, n, fmt, seed=1, scale=0.05):
+    w = np.random.default_rng(seed).standard_normal((k, n), np.float32) * scale
+    return fp4.quantize(jnp.asarray(w), fmt, axis=0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -28,7 +29,7 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
     # e_k @ W is row k of W: every code and scale of the tile passes through the in-kernel
     # decode, and the result must be fp4.dequantize's value, rounded once to bf16, bit for bit.
     k, n = 128, 64
-    qt = _weights(k, n, fmt, seed=1)
+    qt = _weights(k, n, fmt)
     eye = jnp.eye(k, dtype=jnp.bfloat16)
     cfg = ft.Fp4MatmulConfig(block_n=64, block_k=64, block_m=64)
     y = fm.fp4_matmul(eye, qt, config=cfg, interpret=True)
@@ -51,7 +52,7 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
     ],
 )
 def test_matches_reference(fmt, m, k, n, cfg):
-    qt = _weights(k, n, fmt, seed=m + k)
+    qt = _weights(k, n, fmt)
     x = random_x(m, k, seed=m * 7 + n)
     y = fm.fp4_matmul(x, qt, config=cfg, interpret=True)
     assert_close(y, fm.fp4_matmul_reference(x, qt))
@@ -61,7 +62,7 @@ def test_matches_reference(fmt, m, k, n, cfg):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_w4a4_matches_reference(fmt, mode):
     m, k, n = 7, 256, 64
-    qt = _weights(k, n, fmt, seed=3)
+    qt = _weights(k, n, fmt)
     x = random_x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
     x = x.at[2].multiply(50)
     cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
@@ -75,7 +76,7 @@ def test_w4a4_matches_reference(fmt, mode):
 
 def test_nan_block_scale_poisons_its_column_mxfp4():
     # an E8M0 NaN scale (0xFF) dequantizes its block to NaN: that output column must be NaN
-    qt = _weights(128, 64, "mxfp4", seed=5)
+    qt = _weights(128, 64, "mxfp4")
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[9, 2].set(0xFF))
     ref = np.asarray(fm.fp4_matmul_reference(random_x(3, 128, 6), qt), np.float32)
     assert np.all(np.isnan(ref[:, 9]))
@@ -86,7 +87,7 @@ def test_nan_block_scale_poisons_its_column_mxfp4():
 
 
 def test_nan_global_scale_poisons_everything_nvfp4():
-    qt = _weights(128, 64, "nvfp4", seed=5)
+    qt = _weights(128, 64, "nvfp4")
     qt = dataclasses.replace(qt, global_scale=jnp.float32(jnp.nan))
     cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = fm.fp4_matmul(random_x(2, 128, 1), qt, config=cfg, interpret=True)
@@ -106,7 +107,7 @@ def test_config_validation():
         ft.Fp4MatmulConfig(block_n=48)
     with pytest.raises(ValueError, match="dequant"):
         ft.Fp4MatmulConfig(dequant="lut")
-    qt = _weights(256, 64, "nvfp4", seed=0)
+    qt = _weights(256, 64, "nvfp4")
     with pytest.raises(ValueError, match="multiple of block_k"):
         cfg = ft.Fp4MatmulConfig(block_n=64, block_k=512)
         fm.fp4_matmul(random_x(1, 256, 0), qt, config=cfg, interpret=True)
@@ -124,7 +125,7 @@ def test_default_config_tiles_the_shape(m, k, n):
 
 
 def test_dispatcher_xla_path_and_leading_axes():
-    qt = _weights(256, 64, "nvfp4", seed=2)
+    qt = _weights(256, 64, "nvfp4")
     x = random_x(6, 256, 3).reshape(2, 3, 256)
     y = fm.fp4_linear(x, qt, backend="auto")  # no GPU here: the XLA path
     assert y.shape == (2, 3, 64)
@@ -141,7 +142,7 @@ def test_dispatcher_xla_path_and_leading_axes():
 def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     # every code and scale through the word layout and the kernel's bit decode, exactly
     k, n = 512, 24
-    qt = _weights(k, n, fmt, seed=11)
+    qt = _weights(k, n, fmt)
     spec = fp4.get_format(fmt)
     w = layouts.prepack(qt)
     words = layouts.pack_gemv_words(w.codes, spec, block_k)
@@ -173,7 +174,7 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
 )
 def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
-    qt = _weights(k, n, fmt, seed=12)
+    qt = _weights(k, n, fmt)
     w = layouts.prepack(qt, mgpu=False)
     assert (w.gemv_words is not None) == (fmt == "nvfp4")  # MXFP4 keeps the GEMV form
     if cfg is not None:
@@ -185,7 +186,7 @@ def test_gemv_matches_reference(fmt, cfg, layout_n):
 
 def test_gemv_nan_propagates():
     # a NaN block scale (MXFP4) poisons its column; a NaN activation poisons every column
-    qt = _weights(512, 32, "mxfp4", seed=14)
+    qt = _weights(512, 32, "mxfp4")
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[5, 3].set(0xFF))
     w = layouts.with_gemv_layout(layouts.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     x = random_x(1, 512, seed=15)
@@ -196,7 +197,7 @@ def test_gemv_nan_propagates():
 
 
 def test_gemv_layout_mismatch_and_config_rejected():
-    w = layouts.prepack(_weights(512, 32, "nvfp4", seed=16))
+    w = layouts.prepack(_weights(512, 32, "nvfp4"))
     with pytest.raises(ValueError, match="packed with block_k"):
         fm.fp4_matmul(random_x(1, 512, 0), w, config=fmv.Fp4GemvConfig(block_k=128), interpret=True)
     with pytest.raises(ValueError, match="packed with block_n"):
@@ -204,7 +205,7 @@ def test_gemv_layout_mismatch_and_config_rejected():
         fm.fp4_matmul(random_x(1, 512, 0), w, config=cfg, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         fmv.Fp4GemvConfig(block_n=24)
-    assert layouts.prepack(_weights(512, 32, "nvfp4", seed=16), gemv=False).gemv_words is None
+    assert layouts.prepack(_weights(512, 32, "nvfp4"), gemv=False).gemv_words is None
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -236,7 +237,7 @@ def test_gpu_w4a4(mode, m):
 def test_gpu_identity_rows_exact(fmt):
     # the PTX decode (bf16 subnormal for the 0.5 code) must agree bit for bit with dequantize
     k, n = 256, 128
-    qt = _weights(k, n, fmt, seed=9)
+    qt = _weights(k, n, fmt)
     y = fm.fp4_matmul(jnp.eye(k, dtype=jnp.bfloat16), qt)
     np.testing.assert_array_equal(
         np.asarray(y, np.float32), np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
@@ -249,7 +250,7 @@ def test_gpu_one_token_unit_rows_exact(fmt):
     # x = e_k picks row k of W: the PTX word decode of every slot and group of a step (and of
     # the last step) must give fp4.dequantize's value, rounded once to bf16
     k, n = 1024, 64
-    qt = _weights(k, n, fmt, seed=21)
+    qt = _weights(k, n, fmt)
     w = layouts.with_gemv_layout(layouts.prepack(qt), block_n=32)  # prepack packs NVFP4 only
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
     for pos in [*range(32), *range(k - 32, k)]:
