@@ -1,7 +1,23 @@
-"""Run with 2 fake CPU devices: an RL step (SGD, so that parameters compare) on a (data=2), an
-(expert=2) and an (fsdp=2) mesh equals the single-device step, the rollout engine on each mesh
-samples the single-device engine's tokens, and the RL loop runs with FSDP.
-Executed by ``test_trainer.py`` in a fresh process."""
+"""``steps``: in one process with 8 fake CPU devices; ``loop CONFIG RUN_DIR``: on 2 devices, in
+one process or in each process of a job of two (one device each; ``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` set). Executed by ``test_multiprocess.py``.
+
+``steps``: an RL step (SGD, so that parameters compare) on a (data=2, fsdp=2, expert=2) mesh
+equals the single-device step and leaves every parameter where it was placed, and the rollout
+engine on the mesh samples the single-device engine's tokens with its FP4 expert weights
+quantized where the parameters are and its KV cache split over the batch (one mesh of every axis
+at once: one compiled program for all three).
+
+``loop``: host rows enter and leave the global batch (``check_batch_rows``), and the config
+(``mesh_fsdp: 2``) runs through the entry point's ``execute`` with every weight of the rollout
+and evaluation engines at every refit (FP4 expert codes and block scales), every parameter and
+both AdamW moments of it split in halves over the two devices: across processes no process
+holds a whole one. The test compares the metrics of the one process and of the job.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +25,18 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.runner import execute, init_distributed, resolve
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
-from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+from trace_jax.model.sharding import (
+    batch_part,
+    batch_sharding,
+    host_value,
+    make_mesh,
+    place_rows,
+    process_rows,
+    shard_model,
+)
+from trace_jax.rl.loop import RLRun
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLBatch, Trainer
 from trace_jax.rollout import RolloutConfig, RolloutEngine
@@ -29,8 +55,7 @@ def step(model, batch, mesh=None):
         return trainer.rl_step(state, batch)
 
 
-def main():
-    assert jax.device_count() == 2, jax.devices()
+def check_steps():
     cfg = ModelConfig.preset("tiny").replace(num_layers=2)
     model = Transformer(cfg, nnx.Rngs(0))
     engine = RolloutEngine(model, QuantPolicy.rollout(), ROLLOUT)
@@ -45,39 +70,34 @@ def main():
         guidance=rs.guidance,
     )
     want_state, want = step(Transformer(cfg, nnx.Rngs(0)), batch)
-    for axes in (dict(data=2), dict(expert=2), dict(fsdp=2)):
-        mesh = make_mesh(**axes)
-        sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
 
-        def put(a, mesh=mesh):
-            return jax.device_put(a, batch_sharding(mesh, a.ndim))
+    def put(a):
+        return jax.device_put(a, batch_sharding(mesh, a.ndim))
 
-        data = RLBatch(
-            tokens=put(batch.tokens),
-            filled=put(batch.filled),
-            loss_mask=put(batch.loss_mask),
-            rollout_logp=put(batch.rollout_logp),
-            advantages=put(batch.advantages),
-            routes=batch.routes,
-            guidance=jax.tree.map(put, batch.guidance),
-        )
-        state, got = step(sharded, data, mesh)
-        for key in ("train/loss", "mismatch/logp_abs", "train/grad_norm"):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
-        for a, b in zip(
-            jax.tree.leaves(state.params), jax.tree.leaves(want_state.params), strict=True
-        ):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-        # the update leaves each parameter where it was placed (FSDP: split, not gathered)
-        placed = jax.tree.map(lambda a: a.sharding, nnx.state(sharded, nnx.Param))
-        for a, want_sharding in zip(
-            jax.tree.leaves(state.params), jax.tree.leaves(placed), strict=True
-        ):
-            assert a.sharding.is_equivalent_to(want_sharding, a.ndim), (a.sharding, want_sharding)
-        check_rollout(sharded, mesh, rs)
-        print(axes, "ok")
+    data = RLBatch(
+        tokens=put(batch.tokens),
+        filled=put(batch.filled),
+        loss_mask=put(batch.loss_mask),
+        rollout_logp=put(batch.rollout_logp),
+        advantages=put(batch.advantages),
+        routes=batch.routes,
+        guidance=jax.tree.map(put, batch.guidance),
+    )
+    state, got = step(sharded, data, mesh)
+    for key in ("train/loss", "mismatch/logp_abs", "train/grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # the update leaves each parameter where it was placed (FSDP: split, not gathered)
+    placed = jax.tree.map(lambda a: a.sharding, nnx.state(sharded, nnx.Param))
+    for a, want_sharding in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(placed), strict=True
+    ):
+        assert a.sharding.is_equivalent_to(want_sharding, a.ndim), (a.sharding, want_sharding)
+    check_rollout(sharded, mesh, rs)
     print("sharded RL step OK")
-    check_loop()
 
 
 def check_rollout(sharded, mesh, want):
@@ -98,48 +118,91 @@ def check_rollout(sharded, mesh, want):
             w.sharding,
             codes.sharding,
         )
-    rows = len(PROMPTS) // (mesh.shape["data"] * mesh.shape["fsdp"])  # all rows on expert=2
+    rows = len(PROMPTS) // (mesh.shape["data"] * mesh.shape["fsdp"])  # replicated over expert
     for a in jax.tree.leaves(got.cache)[:-1]:  # K and V of each layer; the lengths last
         assert a.addressable_shards[0].data.shape[0] == rows, a.sharding
 
 
-def check_loop():
-    """The RL loop with ``mesh_fsdp=2``: every parameter and both AdamW moments of it are split
-    in halves over the two devices along its largest dimension, and the warm start and the RL
-    steps run (the step itself is compared with one device above)."""
-    import json
-    import tempfile
-    from pathlib import Path
+def split_in_halves(name: str, tree) -> list[str]:
+    """Assert that every array of ``tree`` is held in halves by the two devices (and so, across
+    two processes, that neither holds a whole one); NVFP4's per-expert global scales, one float
+    per expert, excepted. Returns the paths of the arrays checked."""
+    checked = []
+    for path, a in jax.tree_util.tree_leaves_with_path(tree):
+        key = f"{name}{jax.tree_util.keystr(path)}"
+        where = f"{key}: {a.shape} {a.sharding}"
+        if key.endswith("global_scale"):
+            continue
+        assert len(a.sharding.device_set) == 2, where
+        assert {s.data.size * 2 for s in a.addressable_shards} == {a.size}, where
+        assert a.is_fully_addressable == (jax.process_count() == 1), where
+        checked.append(key)
+    return checked
 
-    from trace_jax.config import from_dict
-    from trace_jax.rl.loop import RLConfig, RLRun
 
-    cfg = dict(
-        model_overrides={"num_layers": 1, "dtype": "bfloat16"},
-        steps=1,
-        prompts_per_step=2,
-        group_size=2,
-        max_new_tokens=6,
-        warm_start={"steps": 2, "batch": 4},
-        eval_problems=0,
-        mesh_fsdp=2,
-        tensorboard=False,
-        plot=False,
-    )
-    run_dir = Path(tempfile.mkdtemp()) / "fsdp2"
-    run = RLRun(from_dict(RLConfig, cfg), run_dir, log=lambda *_: None)
-    run.run()
-    logs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def check_batch_rows():
+    """Host rows and the global batch on the (fsdp=2) and the (expert=2) mesh: each process
+    gives its part of a batch (``place_rows``), reads it back (``process_rows``) and gathers the
+    whole (``host_value``); where ``expert`` spans processes they hold the same part, all rows."""
+    whole = np.arange(12).reshape(4, 3)
+    for axes, parts in ((dict(fsdp=2), jax.process_count()), (dict(expert=2), 1)):
+        with jax.set_mesh(make_mesh(**axes)):
+            part = jax.process_index() if parts > 1 else 0
+            assert batch_part() == (part, parts), (axes, batch_part())
+            rows = np.split(whole, parts)[part]
+            batch = place_rows(rows)
+            assert batch.shape == whole.shape
+            assert batch.is_fully_addressable == (jax.process_count() == 1)
+            np.testing.assert_array_equal(process_rows(batch), rows)
+            np.testing.assert_array_equal(host_value(batch), whole)
+
+
+def check_loop(config: str, run_dir: str):
+    """The RL loop of ``config`` (FSDP over the two devices) through the entry point's
+    ``execute``: the rollout and evaluation engines' weights after every refit, and the final
+    parameters and AdamW moments, are split in halves."""
+    exp, cfg = resolve(config, [])
+    assert cfg.mesh_fsdp == 2 and cfg.rollout == "fp4", cfg
+    runs, refits = [], []
+
+    def pipeline(cfg, run_dir):
+        run = RLRun(cfg, run_dir)
+        for engine in (run.engine, run.eval_engine):  # what each rollout runs with
+            refit = engine.update_params
+
+            def checked(model, version=None, engine=engine, refit=refit):
+                refit(model, version)
+                name = "eval" if engine.greedy else "rollout"
+                refits.append((name, split_in_halves(name, engine.state)))
+
+            engine.update_params = checked
+        runs.append(run)
+        return run.run()
+
+    execute(dataclasses.replace(exp, run=pipeline), cfg, Path(run_dir))
+    (run,) = runs
+    assert [name for name, _ in refits].count("rollout") == cfg.steps, refits
+    assert "eval" in dict(refits)
+    for _, checked in refits:  # gate, up and down FP4 codes of every MoE layer
+        codes = [k for k in checked if k.endswith(".codes")]
+        assert len(codes) == 3 * len(run.model_cfg.moe_layers), checked
     state = run.final_state
     adam = state.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
-    for tree in (state.params, adam.mu, adam.nu):
-        for a in jax.tree.leaves(tree):
-            half = list(a.shape)
-            half[int(np.argmax(a.shape))] //= 2  # the largest dimension (all even here)
-            assert a.addressable_shards[0].data.shape == tuple(half), (a.shape, a.sharding)
-    assert logs[1]["sft/loss"] < logs[0]["sft/loss"]
-    assert np.isfinite(logs[2]["train/loss"]) and logs[2]["mismatch/logp_abs"] < 0.05
+    for name, tree in {"params": state.params, "adam.mu": adam.mu, "adam.nu": adam.nu}.items():
+        split_in_halves(name, tree)
+    print(f"process {jax.process_index()}: {len(refits)} refits split in halves")
     print("sharded RL loop OK")
+
+
+def main():
+    joined = init_distributed()
+    if sys.argv[1] == "steps":
+        assert not joined and jax.device_count() == 8, jax.devices()
+        check_steps()
+    else:
+        assert jax.device_count() == 2, jax.devices()
+        check_batch_rows()
+        check_loop(*sys.argv[2:4])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ the mesh and the rules change. The mesh has three axes, ``(data, fsdp, expert)``
 
 Everything else is replicated. ``param_spec`` works from shapes and axis sizes alone, so the
 same rules place real arrays (``shard_model``) and size abstract ones (``shard_report``).
+
+In a multi-process job the mesh spans every process's devices; host data (prompts, rewards, done
+flags) is each process's own rows of a batch: ``place_rows`` makes them one global array,
+``process_rows`` reads a process's rows of one back, and ``batch_part`` says which rows those are.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert")
@@ -173,3 +179,91 @@ def batch_spec(ndim: int = 2, batch_axis: int = 0) -> PartitionSpec:
 def batch_sharding(mesh: Mesh, ndim: int = 2, batch_axis: int = 0) -> NamedSharding:
     """Inputs such as tokens [B, T]: the batch axis over ``data`` x ``fsdp``."""
     return NamedSharding(mesh, batch_spec(ndim, batch_axis))
+
+
+def batch_part(mesh: Mesh | None = None) -> tuple[int, int]:
+    """(k, n): this process's devices hold part k of a batch split into n equal, contiguous
+    parts over ``data`` x ``fsdp`` of ``mesh`` (default: the current one); (0, 1) in one process.
+    Processes whose devices differ only along ``expert`` hold the same part.
+
+    Raises ``ValueError`` when the process's devices hold no such part (rows of several parts
+    that are not one contiguous range)."""
+    mesh = jax.sharding.get_mesh() if mesh is None else mesh
+    if jax.process_count() == 1 or mesh.empty:
+        return 0, 1
+    grid = mesh.devices.reshape(-1, mesh.shape["expert"])  # batch chunk -> its devices
+    me = jax.process_index()
+    mine = [i for i, devices in enumerate(grid) if any(d.process_index == me for d in devices)]
+    size = len(mine)
+    if len(grid) % size or mine != list(range(mine[0], mine[0] + size)) or mine[0] % size:
+        raise ValueError(
+            f"the mesh {dict(mesh.shape)} gives process {me} the batch chunks {mine} of "
+            f"{len(grid)}, not one contiguous part"
+        )
+    return mine[0] // size, len(grid) // size
+
+
+def place_rows(rows, batch_axis: int = 0) -> jax.Array:
+    """This process's rows of a batch (a host array, its rows along ``batch_axis``) as the global
+    batch on the current mesh (``jax.set_mesh``), split over ``data`` x ``fsdp`` (replicated,
+    in one process, where they do not divide it): every process gives its ``batch_part``. One
+    process without a mesh of several devices: ``jnp.asarray``.
+
+    Host data must enter a multi-process job this way: ``jnp.asarray`` under the global mesh
+    takes each process's value for the replicated value of all."""
+    rows = np.asarray(rows)
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or mesh.size == 1:
+        return jnp.asarray(rows)
+    _, parts = batch_part(mesh)
+    shape = list(rows.shape)
+    shape[batch_axis] *= parts
+    split = shape[batch_axis] % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0
+    if not split and parts > 1:
+        raise ValueError(
+            f"a batch of {shape[batch_axis]} rows does not split over data x fsdp of the mesh "
+            f"{dict(mesh.shape)}"
+        )
+    spec = batch_spec(rows.ndim, batch_axis) if split else PartitionSpec()
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows, tuple(shape))
+
+
+def process_rows(a) -> np.ndarray:
+    """This process's rows (``batch_part`` of the array's mesh) of a batch array [B, ...] as a
+    host array: the whole array in one process. Reads only this process's devices: ``a`` is
+    split over the batch, or replicated (other axes whole)."""
+    mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+    if not isinstance(mesh, Mesh) or a.is_fully_addressable or a.ndim == 0:
+        return np.asarray(a)
+    part, parts = batch_part(mesh)
+    size = a.shape[0] // parts
+    lo, hi = part * size, (part + 1) * size
+    out = np.empty((size, *a.shape[1:]), a.dtype)
+    done = np.zeros(size, bool)
+    for shard in a.addressable_shards:
+        if np.shape(shard.data)[1:] != a.shape[1:]:
+            raise ValueError(f"process_rows: {a.sharding} splits an axis other than the batch")
+        first, last, _ = shard.index[0].indices(a.shape[0])
+        start, stop = max(first, lo), min(last, hi)
+        if start < stop and not done[start - lo : stop - lo].all():
+            out[start - lo : stop - lo] = np.asarray(shard.data)[start - first : stop - first]
+            done[start - lo : stop - lo] = True
+    if not done.all():
+        raise ValueError(f"process_rows: rows of part {part} of {parts} are not on this process")
+    return out
+
+
+def host_value(a) -> np.ndarray:
+    """The whole value of an array on the host: gathered from every process where this one
+    holds a part of it (every process calls it then)."""
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def processes_max(value: int) -> int:
+    """The largest of ``value`` over the processes of the job (a collective: every process
+    calls it)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))

@@ -26,22 +26,22 @@ A killed run restarts from its last checkpoint (``resume``) and continues exactl
 draw is a function of (seed, step) and the data stream's position is checkpointed.
 
 Across processes (a multi-controller JAX job, ``experiments.runner.init_distributed``): the mesh
-spans every process's devices and the train state and batches are global arrays. Every process
-reads the same prompt streams and keeps its contiguous part of each batch (whole groups, so
-group advantages stay local; ``prompts_per_step`` and ``warm_start.batch`` divide by the process
-count), rolls it out with engines on its own devices (at this stage each process gathers a
-full copy of the parameters, replicated over its devices) and samples row i of the batch with
-the key of row i (``RolloutEngine.decode``'s ``row_ids``): the global batch, and so the run, is
-that of one process with the same mesh, up to float32 rounding of the rollout's forward at
-another batch size. Rollout-side metrics are gathered over processes (seconds: the slowest
-process's); process 0 alone writes metrics, TensorBoard, plots and logs. Every process saves and
-restores the orbax checkpoints (the run directory is on a filesystem all processes share) and
-keeps its own guidance cache (``guidance_spill/p<k>``).
+spans every process's devices; the train state, the rollout and evaluation engines' weights
+(FSDP / expert splits kept, FP4 expert weights quantized where they lie: no process gathers the
+model) and states, and the batches are global arrays. Every process reads the same prompt
+streams and keeps its contiguous part of each batch, whole groups (``sharding.batch_part``: the
+rows its devices hold; ``prompts_per_step`` and ``warm_start.batch`` divide by the process
+count): it renders their prompts, runs their environments and scores them on the host, while
+the engine decodes the global batch (row i samples with the key of row i): the run is that of
+one process with the same mesh. Where ``expert`` spans processes they hold the same part (the
+batch is replicated over ``expert``). Rollout-side metrics are gathered over processes (seconds:
+the slowest process's); process 0 alone writes metrics, TensorBoard, plots and logs. Every
+process saves and restores the orbax checkpoints (the run directory is on a filesystem all
+processes share) and keeps its own guidance cache (``guidance_spill/p<k>``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -70,6 +70,7 @@ from trace_jax.model import (
     save_params,
     shard_model,
 )
+from trace_jax.model.sharding import batch_part, host_value, place_rows, process_rows
 from trace_jax.rl import memory, runlog, tasks_io
 from trace_jax.rl.checkpoint import RunCheckpointer
 from trace_jax.rl.losses import LossConfig, group_advantages
@@ -170,8 +171,8 @@ class RLConfig:
       them in the rollout's decode step too: compile time independent of depth, each decode
       step slower (weights and cache sliced out of stacked copies; see ``RolloutConfig``).
     code_metrics_rows: sequences per step whose full rollout codes are recorded for the code
-      metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none; across processes each
-      records its share, rounded up, evenly spaced over its rows).
+      metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none; evenly spaced over the
+      batch).
     diagnostic: record full codes of every sequence (code metrics over the whole batch).
     ref_on_host: keep the frozen reference policy (``loss.kl_coef > 0``) in host memory.
     warm_start: supervised steps before RL.
@@ -191,7 +192,8 @@ class RLConfig:
       split over ``expert``; every parameter and its AdamW moments over ``fsdp`` (its largest
       dimension that divides, as FSDP does); the batch over ``data`` x ``fsdp`` (1 x 1 x 1: one
       device). In a multi-process job the mesh spans all ``jax.device_count()`` devices and
-      each process's devices hold one contiguous part of the batch (see the module docstring).
+      each process's devices hold one contiguous part of the batch, the same part where they
+      differ along ``expert`` (see the module docstring).
     tensorboard: also write TensorBoard event files.
     plot: write PNG curves at the end.
     """
@@ -403,7 +405,7 @@ class RLRun:
             memory.check_fits(cfg, model.cfg, self.max_len)
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)
-        self.mesh = self.local_mesh = None
+        self.mesh = None
         mesh_size = cfg.mesh_data * cfg.mesh_fsdp * cfg.mesh_expert
         if self.processes > 1 and mesh_size != jax.device_count():
             raise ConfigError(
@@ -424,14 +426,10 @@ class RLRun:
                 )
             self.mesh = make_mesh(data=cfg.mesh_data, fsdp=cfg.mesh_fsdp, expert=cfg.mesh_expert)
             model = shard_model(model, self.mesh)
-        if self.processes > 1:
-            self._check_batch_split()
-            # the engines' devices: this process's, each with a full copy of the parameters
-            local = jax.local_devices()
-            self.local_mesh = make_mesh(data=len(local), devices=local)
-            self._replicate = jax.jit(
-                lambda tree: tree, out_shardings=NamedSharding(self.mesh, PartitionSpec())
-            )
+        try:  # this process's part of every batch (its devices' rows): part k of n
+            self.part, self.parts = batch_part(self.mesh) if self.mesh else (0, 1)
+        except ValueError as e:
+            raise ConfigError(f"mesh_data x mesh_fsdp x mesh_expert: {e}") from None
         self.model_cfg = model.cfg
         self.rollout_policy = rollout_policy(cfg)
 
@@ -469,7 +467,7 @@ class RLRun:
             optimizer_key=sft_optimizer,
         )
         kv = cfg.fmt if cfg.rollout == "fp4" else "bf16"
-        code_rows = -(-cfg.code_metrics_rows // self.processes)  # this process's share
+        code_rows = cfg.code_metrics_rows
         rollout_cfg = RolloutConfig(
             max_len=self.max_len,
             max_new_tokens=cfg.max_new_tokens,
@@ -482,66 +480,26 @@ class RLRun:
             code_rows=None if cfg.diagnostic else code_rows or None,
             scan_decode=cfg.scan_decode,
         )
-        rollout_model = model  # one process: the engines take the mesh's arrays
-        if self.processes > 1:
-            rollout_model = self.trainer.model(self._local_params(nnx.state(model, nnx.Param)))
-        with self._on_local_devices():
-            self.engine = RolloutEngine(rollout_model, self.rollout_policy, rollout_cfg)
-            # Greedy evaluation with the rollout's precision, config and policy (its records are
-            # not used): batches of the rollout's size run the rollout's compiled programs.
-            self.eval_engine = RolloutEngine(
-                rollout_model, self.rollout_policy, rollout_cfg, greedy=True
-            )
+        # The engines take the mesh's arrays as they are split (no copy gathered anywhere).
+        self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
+        # Greedy evaluation with the rollout's precision, config and policy (its records are
+        # not used): batches of the rollout's size run the rollout's compiled programs.
+        self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
 
     # ------------------------------------------------------------------ processes
 
-    def _on_local_devices(self):
-        """The context of rollouts: this process's devices in a multi-process job (under the
-        global mesh a jitted function would take a process's own arrays for global ones)."""
-        if self.local_mesh is None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self.local_mesh)
-
     def _rows(self, size: int) -> tuple[int, int]:
-        """This process's rows [lo, hi) of a batch of ``size``: its contiguous part, in process
-        order (the whole batch in one process)."""
-        part = size // self.processes
-        return self.process * part, (self.process + 1) * part
+        """This process's rows [lo, hi) of a batch of ``size``: its contiguous part
+        (``batch_part``; the whole batch in one process)."""
+        part = size // self.parts
+        return self.part * part, (self.part + 1) * part
 
-    def _check_batch_split(self) -> None:
-        """A multi-process mesh must give each process's devices exactly its ``_rows`` of a
-        batch (not so when ``expert`` spans processes: the batch is replicated over it)."""
-        cfg = self.cfg
-        size = cfg.prompts_per_step * cfg.group_size
-        index = batch_sharding(self.mesh, 1).addressable_devices_indices_map((size,))
-        held = sorted({i for (rows,) in index.values() for i in range(*rows.indices(size))})
-        if held != list(range(*self._rows(size))):
-            raise ConfigError(
-                f"mesh_expert: {cfg.mesh_expert} spans processes; across {self.processes} "
-                "processes mesh_data x mesh_fsdp must split the batch into one part per process"
-            )
-
-    def _local_params(self, params):
-        """``params`` as this process's engines take them: the arrays themselves in one process,
-        else a full copy on this process's devices, gathered over the global mesh."""
-        if self.processes == 1:
-            return params
-        full = self._replicate(params)
-        here = NamedSharding(self.local_mesh, PartitionSpec())
-        return jax.tree.map(lambda a: jax.device_put(a.addressable_data(0), here), full)
-
-    def _gather(self, local):
-        """Every process's rows (numpy, [rows of all processes, ...], in process order) of the
-        arrays ``local`` ([rows, ...] each, this process's)."""
-        if self.processes == 1:
-            return jax.tree.map(np.asarray, local)
-
-        def gather(a):  # a record's per-tensor scale (no rows) is the same everywhere
-            return multihost_utils.process_allgather(a, tiled=True) if np.ndim(a) else a
-
-        return _with_rows(jax.tree.map(gather, local), self.processes)
+    def _gather(self, local: np.ndarray) -> np.ndarray:
+        """Every process's rows (numpy, [the batch's rows, ...], in order) of a batch whose rows
+        ``local`` ([rows, ...]) are this process's part."""
+        return host_value(place_rows(local))
 
     def _slowest(self, times: dict[str, float]) -> dict[str, float]:
         """Seconds of each phase: the slowest process's (as float32)."""
@@ -551,36 +509,23 @@ class RLRun:
         every = multihost_utils.process_allgather(np.asarray([times[k] for k in keys], np.float32))
         return {k: float(v) for k, v in zip(keys, np.max(every, axis=0), strict=True)}
 
-    def _replicated(self, tree):
-        """Arrays whose values every process holds (host or its devices) as global arrays
-        replicated over the mesh (the arrays themselves in one process)."""
+    def _replicated(self, a) -> jax.Array:
+        """A value every process holds (host) as an array replicated over the mesh."""
         if self.processes == 1:
-            return tree
+            return jnp.asarray(a)
         everywhere = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(
-            lambda a: jax.make_array_from_process_local_data(everywhere, np.asarray(a)), tree
-        )
+        return jax.make_array_from_process_local_data(everywhere, np.asarray(a))
 
     # ------------------------------------------------------------------ pieces
 
     def _key(self, step: int, what: int) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), what)
 
-    def rollout(
-        self, engine: RolloutEngine, problems: list, key: jax.Array, times=None, row_offset=0
-    ):
-        """Generate for ``problems`` (one sequence each; the first is row ``row_offset`` of the
-        batch), running environments if multi-turn, on this process's devices. Returns (state,
-        rewards [B]); ``times`` (a dict) collects the seconds of each part."""
-        if self.processes > 1:  # a key made under the global mesh is a global array
-            data = np.asarray(jax.random.key_data(key))
-            impl = jax.random.key_impl(key)
-        with self._on_local_devices():
-            if self.processes > 1:
-                key = jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
-            return self.io.rollout(
-                engine, problems, key, self.cfg.max_turns, times=times, row_offset=row_offset
-            )
+    def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array, times=None):
+        """Generate for ``problems`` (this process's rows of the batch; one sequence each),
+        running environments if multi-turn. Returns (state of the whole batch, this process's
+        rewards [rows]); ``times`` (a dict) collects the seconds of each part."""
+        return self.io.rollout(engine, problems, key, self.cfg.max_turns, times=times)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
         """Greedy rollouts on the eval split with the rollout's precision: mean reward."""
@@ -588,9 +533,7 @@ class RLRun:
         if n == 0:
             return {}
         t0 = time.monotonic()
-        model = self.trainer.model(self._local_params(params))
-        with self._on_local_devices():
-            self.eval_engine.update_params(model, version=step)
+        self.eval_engine.update_params(self.trainer.model(params), version=step)
         problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
         # In batches of the rollout's size (the last one filled up with repeats, not counted),
         # each process rolling out its part.
@@ -600,28 +543,31 @@ class RLRun:
         for i in range(0, n, size):
             chunk = [problems[(i + j) % n] for j in range(lo, hi)]  # the last one wraps around
             key = jax.random.fold_in(self._key(step, 2), i)
-            _, got = self.rollout(self.eval_engine, chunk, key, row_offset=lo)
+            _, got = self.rollout(self.eval_engine, chunk, key)
             rewards.extend(self._gather(got)[: min(size, n - i)])
         self.eval_s = time.monotonic() - t0
         return {"eval/reward": float(np.mean(rewards))}
 
     def _place(self, tree, batch_axis: int = 0):
-        """Put [B, ...] arrays of a batch on the mesh, split over ``data`` x ``fsdp`` (no-op on
-        one device). Across processes each gives its own rows, ``_rows`` of the global batch."""
-        if self.mesh is None:
-            return tree
+        """This process's rows of a batch (host arrays, [rows, ...], and records of them) as the
+        global batch on the mesh, split over ``data`` x ``fsdp`` (``sharding.place_rows``; on one
+        device: device arrays)."""
 
         def put(a):
-            if a.ndim == 0:  # not per row (a placeholder scale): the same in every process
+            if np.ndim(a) == 0:  # not per row (a placeholder scale): the same in every process
                 return self._replicated(a)
-            sharding = batch_sharding(self.mesh, a.ndim, batch_axis)
-            if self.processes == 1:
-                return jax.device_put(a, sharding)
-            shape = list(a.shape)
-            shape[batch_axis] *= self.processes
-            return jax.make_array_from_process_local_data(sharding, np.asarray(a), tuple(shape))
+            return place_rows(np.asarray(a), batch_axis)
 
-        return _with_rows(jax.tree.map(put, tree), self.processes)
+        return _with_rows(jax.tree.map(put, tree), batch_axis, self.parts)
+
+    def _split(self, tree, batch_axis: int = 0):
+        """The rollout's arrays of the whole batch split over ``data`` x ``fsdp`` as the trainer
+        takes them (as they are on one device)."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(
+            lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim, batch_axis)), tree
+        )
 
     def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
         lo, hi = self._rows(len(problems))
@@ -635,14 +581,14 @@ class RLRun:
         if not records:
             return {}, {}
         t0 = time.perf_counter()
-        cache.put_batch(version, ids, records)
+        # this process's rows of the records, as the cache keeps them (host arrays)
+        mine = _with_rows(jax.tree.map(process_rows, records), 0, 1 / self.parts)
+        cache.put_batch(version, ids, mine)
         fetched = cache.get(version, ids)
-        if self.processes == 1:
-            fetched = jax.tree.map(jnp.asarray, fetched)
         guidance = jax.block_until_ready(self._place(fetched))
         cache.evict(version_below=version)  # older versions are never trained on again
-        # every process holds records of the same shapes for as many rows
-        nbytes = sum(r.nbytes for r in fetched.values()) * self.processes
+        # every part of the batch has records of the same shapes for as many rows
+        nbytes = sum(r.nbytes for r in fetched.values()) * self.parts
         return guidance, {
             "guidance/transfer_s": time.perf_counter() - t0,
             "guidance/transfer_bytes": float(nbytes),
@@ -659,45 +605,36 @@ class RLRun:
         batch_problems = [pr for pr in problems[lo:hi] for _ in range(g)]
         first = lo * g  # its first row of the batch
         t_step = time.perf_counter()
-        rollout_model = self.trainer.model(self._local_params(rollout_params))
-        with self._on_local_devices():
-            self.engine.update_params(rollout_model, version=version)
-            jax.block_until_ready(self.engine.state)
+        self.engine.update_params(self.trainer.model(rollout_params), version=version)
+        jax.block_until_ready(self.engine.state)
         times = {"rollout/refit_s": time.perf_counter() - t_step}
-        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times, first)
-        with self._on_local_devices():  # this process's rows, on its devices
-            adv = group_advantages(jnp.asarray(rewards.reshape(hi - lo, g)), cfg.loss.advantage)
-            rows = dict(
-                tokens=rs.tokens,
-                filled=rs.filled,
-                loss_mask=rs.generated,
-                rollout_logp=rs.logprobs,
-                advantages=adv.reshape(-1),
-            )
-            routes = jnp.moveaxis(rs.routes, 2, 0)
-
+        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times)
+        adv = group_advantages(self._place(rewards).reshape(p, g), cfg.loss.advantage)
+        rows = dict(
+            tokens=rs.tokens,
+            filled=rs.filled,
+            loss_mask=rs.generated,
+            rollout_logp=rs.logprobs,
+            advantages=adv.reshape(-1),
+        )
         ids = [f"{step}/{first + i}" for i in range(len(batch_problems))]
         guidance, transfer = self._guidance(rs, version, ids, cache)
         codes = {
             k.removesuffix(".codes"): v for k, v in rs.guidance.items() if k.endswith(".codes")
         }
-        code_rows = rs.code_rows
-        if self.processes > 1:  # every process's code rows, numbered in the global batch
-            local = (codes, np.asarray(rs.code_rows) + first)
-            codes, code_rows = self._replicated(self._gather(local))
         batch = RLBatch(
-            **self._place(rows),
-            routes=self._place(routes, batch_axis=1),
+            **self._split(rows),
+            routes=self._split(jnp.moveaxis(rs.routes, 2, 0), batch_axis=1),
             guidance=guidance,
             rollout_codes=codes,
-            code_rows=code_rows,
+            code_rows=rs.code_rows,
         )
         ref = self.ref_params
         if ref is not None and cfg.ref_on_host:
             ref = jax.device_put(ref, jax.tree.map(lambda a: a.sharding, state.params))
         state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
         all_rewards = self._gather(rewards)
-        generated = int(self._gather(np.asarray(rs.generated).sum(1)).sum())
+        generated = int(jnp.sum(rs.generated))
         m.update(times)
         m.update(transfer)
         m.update(self._slowest({k: v for k, v in m.items() if k.endswith("_s")}))
@@ -734,8 +671,10 @@ class RLRun:
             multihost_utils.sync_global_devices("policy")
         if not exists:
             save_params(path, self.trainer.model(params))
-        # in results.json: runs' starts compared (a process's copy: FSDP splits the global one)
-        self.start_digest = params_digest(self._local_params(params))
+        # in results.json: runs' starts compared (across processes each leaf is gathered to the
+        # host of every process: it holds a part of it)
+        whole = jax.tree.map(host_value, params) if self.processes > 1 else params
+        self.start_digest = params_digest(whole)
         if self.cfg.loss.kl_coef > 0:
             ref = restore_params(path, self.trainer.model(_copy(params)))
             self.ref_params = nnx.state(ref, nnx.Param)
@@ -890,17 +829,20 @@ def _restore_policy(path: str, model: Transformer) -> None:
         ) from None
 
 
-def _with_rows(tree, processes: int):
-    """``tree`` whose records (``fp4.Guidance`` / ``QTensor`` [B, ...], a shape of B rows in
-    their static fields) were made of one process's B rows, with the shape of every process's
-    rows (the arrays are the global ones already)."""
+def _with_rows(tree, batch_axis: int, factor: float):
+    """``tree`` whose records (``fp4.Guidance`` / ``QTensor``, a shape of B rows along
+    ``batch_axis`` in their static fields) have ``factor`` times the rows: records whose arrays
+    are now the global batch's (``factor``: the parts of a batch) or a process's part of it
+    (``1 / parts``)."""
 
-    def grow(r):
-        if processes == 1 or not isinstance(r, fp4.Guidance | fp4.QTensor):
+    def scale(r):
+        if factor == 1 or not isinstance(r, fp4.Guidance | fp4.QTensor):
             return r
-        return dataclasses.replace(r, shape=(r.shape[0] * processes, *r.shape[1:]))
+        shape = list(r.shape)
+        shape[batch_axis] = round(shape[batch_axis] * factor)
+        return dataclasses.replace(r, shape=tuple(shape))
 
-    return jax.tree.map(grow, tree, is_leaf=lambda x: isinstance(x, fp4.Guidance | fp4.QTensor))
+    return jax.tree.map(scale, tree, is_leaf=lambda x: isinstance(x, fp4.Guidance | fp4.QTensor))
 
 
 def _copy(tree):

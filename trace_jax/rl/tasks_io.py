@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.config import ConfigError
+from trace_jax.model.sharding import batch_part, place_rows, process_rows, processes_max
 from trace_jax.rl.timing import PhaseTimer
 from trace_jax.rollout import RolloutEngine, RolloutState
 from trace_jax.tasks import TOKENIZER, Problem, demonstration_tokens, make_task
@@ -70,7 +70,7 @@ class TaskIO:
 
     # ------------------------------------------------------------------ rollouts
 
-    def _prompts(self, problems: list[Problem]) -> tuple[jax.Array, jax.Array]:
+    def _prompts(self, problems: list[Problem]) -> tuple[np.ndarray, np.ndarray]:
         ids = [self.tok.prompt_ids(p.prompt) for p in problems]
         width = max(len(i) for i in ids)
         tokens = np.full((len(ids), width), self.pad_id, np.int32)
@@ -78,14 +78,14 @@ class TaskIO:
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row
             valid[b, : len(row)] = True
-        return jnp.asarray(tokens), jnp.asarray(valid)
+        return tokens, valid
 
     def completions(self, state: RolloutState, starts, ends) -> list[str]:
-        """The text the policy generated in slots [starts[b], ends[b]) of each sequence b (stop
-        tokens and any non-text ids dropped). The tokens come to the host once for the batch:
-        slicing the device array row by row cost ~1.7 ms a row (0.44 s of a 2.8 s RL step with
-        256 rollouts at ``medium`` on an H100)."""
-        tokens, generated = np.asarray(state.tokens), np.asarray(state.generated)
+        """The text the policy generated in slots [starts[b], ends[b]) of each of this process's
+        sequences b (stop tokens and any non-text ids dropped). The tokens come to the host once
+        for the batch: slicing the device array row by row cost ~1.7 ms a row (0.44 s of a 2.8 s
+        RL step with 256 rollouts at ``medium`` on an H100)."""
+        tokens, generated = process_rows(state.tokens), process_rows(state.generated)
         return [
             self.tok.decode(tokens[b, s:e][generated[b, s:e]], errors="replace")
             for b, (s, e) in enumerate(zip(starts, ends, strict=True))
@@ -98,13 +98,11 @@ class TaskIO:
         key: jax.Array,
         max_turns: int,
         times: dict[str, float] | None = None,
-        row_offset: int = 0,
     ) -> tuple[RolloutState, np.ndarray]:
-        """Generate one sequence per problem. Returns the final state and rewards [B] float32.
+        """Generate one sequence per problem. Returns the final state and rewards [b] float32.
 
-        ``row_offset``: the index of ``problems[0]`` in the whole batch (a process's part of a
-        multi-process batch): sequence b samples with row key ``row_offset + b``
-        (``RolloutEngine.decode``), as it would in the whole batch.
+        In a multi-process job ``problems`` and the rewards are this process's rows of the
+        batch (``sharding.batch_part``) and the state the whole batch, every process's rows.
 
         ``times``, if given, receives the seconds of each part: ``rollout/prefill_s`` (prompts
         and observations appended), ``rollout/decode_s`` (the engine's decode loops) and
@@ -117,20 +115,18 @@ class TaskIO:
                 f"max_new_tokens: a prompt of {tokens.shape[1]} tokens leaves no room in "
                 f"max_len={engine.cfg.max_len}"
             )
-        state = clock(
-            "rollout/prefill_s", engine.append, engine.start(len(problems)), tokens, valid
-        )
-        starts = np.asarray(state.lengths)
-        rows = row_offset + np.arange(len(problems), dtype=np.int32)
+        batch = len(problems) * batch_part()[1]  # every process's rows
+        state = clock("rollout/prefill_s", engine.append, engine.start(batch), tokens, valid)
+        starts = process_rows(state.lengths)
         if not self.multi_turn:
-            state = clock("rollout/decode_s", engine.decode, state, key, rows)
+            state = clock("rollout/decode_s", engine.decode, state, key)
             with clock.part("rollout/env_s"):
-                texts = self.completions(state, starts, np.asarray(state.lengths))
+                texts = self.completions(state, starts, process_rows(state.lengths))
                 rewards = [self.task.reward(p, t) for p, t in zip(problems, texts, strict=True)]
             return state, np.asarray(rewards, np.float32)
-        return self._episodes(engine, problems, state, key, max_turns, clock, rows)
+        return self._episodes(engine, problems, state, key, max_turns, clock)
 
-    def _episodes(self, engine, problems, state, key, max_turns, clock, rows):
+    def _episodes(self, engine, problems, state, key, max_turns, clock):
         b_size = len(problems)
         envs = [self.task.env(p) for p in problems]
         for env, p in zip(envs, problems, strict=True):
@@ -138,18 +134,18 @@ class TaskIO:
         finished = np.zeros(b_size, bool)
         rewards = np.zeros(b_size, np.float32)
         for turn in range(max_turns):
-            before = np.asarray(state.lengths)
+            before = process_rows(state.lengths)
             state = clock(
                 "rollout/decode_s",
                 engine.decode,
-                dataclasses.replace(state, done=jnp.asarray(finished)),
+                dataclasses.replace(state, done=place_rows(finished)),
                 jax.random.fold_in(key, turn),
-                rows,
             )
             with clock.part("rollout/env_s"):
-                after = np.asarray(state.lengths)
+                after = process_rows(state.lengths)
                 observations = self._env_step(envs, state, before, after, finished, rewards)
-            if finished.all() or turn == max_turns - 1:
+            # every process's episodes ended (processes append and decode together)
+            if turn == max_turns - 1 or not processes_max(int(not finished.all())):
                 break
             width = max(1, max(len(o) for o in observations))
             obs_tokens = np.full((b_size, width), self.pad_id, np.int32)
@@ -157,13 +153,7 @@ class TaskIO:
             for b, ids in enumerate(observations):
                 obs_tokens[b, : len(ids)] = ids
                 obs_valid[b, : len(ids)] = True
-            state = clock(
-                "rollout/prefill_s",
-                engine.append,
-                state,
-                jnp.asarray(obs_tokens),
-                jnp.asarray(obs_valid),
-            )
+            state = clock("rollout/prefill_s", engine.append, state, obs_tokens, obs_valid)
         return state, rewards
 
     def _env_step(self, envs, state, before, after, finished, rewards) -> list[list[int]]:
@@ -188,8 +178,11 @@ class TaskIO:
 
     # ------------------------------------------------------------------ warm start
 
-    def demonstrations(self, problems: list[Problem], max_len: int) -> tuple[jax.Array, jax.Array]:
-        """Demonstration episodes as (tokens [B, max_len] int32, loss mask [B, max_len] bool)."""
+    def demonstrations(
+        self, problems: list[Problem], max_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Demonstration episodes as host arrays (tokens [B, max_len] int32, loss mask
+        [B, max_len] bool)."""
         tokens = np.full((len(problems), max_len), self.pad_id, np.int32)
         mask = np.zeros((len(problems), max_len), bool)
         for b, p in enumerate(problems):
@@ -201,4 +194,4 @@ class TaskIO:
                 )
             tokens[b, : len(ids)] = ids
             mask[b, : len(ids)] = m
-        return jnp.asarray(tokens), jnp.asarray(mask)
+        return tokens, mask

@@ -25,7 +25,14 @@ from pallas_kernels.layouts import Fp4Weight, prepack_grouped
 from trace_jax import fp4
 from trace_jax.config import ConfigError
 from trace_jax.model import QuantPolicy, Transformer, layers
-from trace_jax.model.sharding import commit, place_batch
+from trace_jax.model.sharding import (
+    batch_part,
+    commit,
+    place_batch,
+    place_rows,
+    process_rows,
+    processes_max,
+)
 from trace_jax.rollout import kv_cache
 from trace_jax.rollout.sampling import SamplingConfig, sample
 
@@ -289,7 +296,14 @@ class RolloutEngine:
     # ------------------------------------------------------------------ state
 
     def start(self, batch: int) -> RolloutState:
-        """An empty state for ``batch`` sequences (records sized on the first ``append``)."""
+        """An empty state for ``batch`` sequences (records sized on the first ``append``), split
+        over the current mesh's batch axes (``place_batch``; in a multi-process job ``batch`` is
+        the whole batch, every process's rows)."""
+        return commit(self._start(batch))
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def _start(self, batch: int) -> RolloutState:
+        # made in one program: on a mesh each device allocates its part only
         m, c = self.model_cfg, self.cfg
         dtype = jnp.dtype(m.dtype)
         cache = kv_cache.init_cache(
@@ -436,33 +450,36 @@ class RolloutEngine:
             last_logits=jnp.where(any_valid[:, None], last_logits, state.last_logits),
         )
 
-    def append(self, state: RolloutState, tokens: jax.Array, valid: jax.Array | None = None):
+    def append(self, state: RolloutState, tokens, valid=None):
         """Feed tokens that the policy did not generate (prompts, environment observations).
 
         Args:
-          tokens: [B, T] int32, right-padded per sequence.
-          valid: [B, T] bool (default all True); each row a prefix of True.
+          tokens: [b, T] int32 (host or device values), right-padded per sequence: this
+            process's rows of the batch (``sharding.batch_part``; all B in one process).
+          valid: [b, T] bool (default all True); each row a prefix of True.
         Returns:
           the new state (the input state's buffers are donated).
 
         Chunks are padded (as invalid tokens) to a power-of-two width, so that prompts and
-        observations of varying lengths compile a few programs, not one per width.
+        observations of varying lengths compile a few programs, not one per width; in a
+        multi-process job every process appends at once, to the width of the widest chunk.
         """
-        tokens = jnp.asarray(tokens, jnp.int32)
-        valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
-        room = self.cfg.max_len - jax.device_get(state.lengths + valid.sum(1))
+        tokens = np.asarray(tokens, np.int32)
+        valid = np.ones(tokens.shape, bool) if valid is None else np.asarray(valid, bool)
+        room = self.cfg.max_len - (process_rows(state.lengths) + valid.sum(1))
         if (room < 0).any():
             raise ValueError(
                 f"appending {tokens.shape[1]} tokens overflows max_len={self.cfg.max_len} for "
-                f"sequences {[int(i) for i in jnp.nonzero(room < 0)[0]]}"
+                f"sequences {[int(i) for i in np.nonzero(room < 0)[0]]}"
             )
-        width = tokens.shape[1]
+        width = processes_max(tokens.shape[1])
         bucket = min(1 << max(0, (width - 1).bit_length()), max(width, self.cfg.max_len))
-        if bucket > width:
-            pad = ((0, 0), (0, bucket - width))
-            tokens = jnp.pad(tokens, pad, constant_values=self.cfg.pad_token)
-            valid = jnp.pad(valid, pad)
-        zeros = jnp.zeros(tokens.shape, jnp.float32)
+        if bucket > tokens.shape[1]:
+            pad = ((0, 0), (0, bucket - tokens.shape[1]))
+            tokens = np.pad(tokens, pad, constant_values=self.cfg.pad_token)
+            valid = np.pad(valid, pad)
+        tokens, valid = place_rows(tokens), place_rows(valid)
+        zeros = jnp.zeros_like(tokens, jnp.float32)
         state = self._append(self.state, state, tokens, valid, False, zeros)
         return dataclasses.replace(state, done=jnp.zeros_like(state.done))
 
@@ -505,9 +522,9 @@ class RolloutEngine:
         multi-turn driver sets it for finished episodes before decoding the next turn).
 
         ``row_ids``: [B] int32, each row's index in the whole batch it belongs to (default
-        ``arange(B)``): row b samples with the key ``fold_in(key, row_ids[b])`` (and of that,
-        per decode step), so a batch split into parts (one per process) samples the tokens the
-        whole batch would."""
+        ``arange(B)``; the same in every process of a job): row b samples with the key
+        ``fold_in(key, row_ids[b])`` (and of that, per decode step), so a part of a batch
+        samples the tokens the whole batch would."""
         batch = state.tokens.shape[0]
         rows = np.arange(batch, dtype=np.int32) if row_ids is None else row_ids
         rows = jnp.asarray(rows, jnp.int32)
@@ -518,16 +535,16 @@ class RolloutEngine:
     def generate(
         self, prompts: list[list[int]], key: jax.Array, row_ids: jax.Array | None = None
     ) -> RolloutState:
-        """Prefill ``prompts`` (token id lists of any lengths) and decode (``row_ids``: see
-        ``decode``)."""
+        """Prefill ``prompts`` (token id lists of any lengths; in a multi-process job this
+        process's rows of the batch) and decode (``row_ids``: see ``decode``)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         longest = max(len(p) for p in prompts)
         if longest == 0 or longest >= self.cfg.max_len:
             raise ValueError(f"prompt lengths must be in 1..{self.cfg.max_len - 1}, got {longest}")
-        tokens = jnp.asarray(
-            [p + [self.cfg.pad_token] * (longest - len(p)) for p in prompts], jnp.int32
+        tokens = np.asarray(
+            [p + [self.cfg.pad_token] * (longest - len(p)) for p in prompts], np.int32
         )
-        valid = jnp.asarray([[i < len(p) for i in range(longest)] for p in prompts], bool)
-        state = self.append(self.start(len(prompts)), tokens, valid)
+        valid = np.asarray([[i < len(p) for i in range(longest)] for p in prompts], bool)
+        state = self.append(self.start(len(prompts) * batch_part()[1]), tokens, valid)
         return self.decode(state, key, row_ids)
