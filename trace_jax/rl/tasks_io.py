@@ -83,8 +83,8 @@ class TaskIO:
     def completions(self, state: RolloutState, starts, ends) -> list[str]:
         """The text the policy generated in slots [starts[b], ends[b]) of each of this process's
         sequences b (stop tokens and any non-text ids dropped). The tokens come to the host once
-        for the batch: slicing the device array row by row cost ~1.7 ms a row (0.44 s of a 2.8 s
-        RL step with 256 rollouts at ``medium`` on an H100)."""
+        for the batch, not a device slice per row (BENCHMARKS.md, "The RL loop at `medium`,
+        phase by phase")."""
         tokens, generated = process_rows(state.tokens), process_rows(state.generated)
         return [
             self.tok.decode(tokens[b, s:e][generated[b, s:e]], errors="replace")
