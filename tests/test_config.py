@@ -5,7 +5,7 @@ from typing import Literal
 
 import pytest
 
-from trace_jax.config import ConfigError, apply_overrides, from_dict, to_dict
+from trace_jax.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,17 @@ def test_defaults_overrides_and_round_trip():
 def test_bad_keys_and_values_name_the_dotted_key(data, match):
     with pytest.raises(ConfigError, match=match):
         from_dict(Outer, data)
+
+
+def test_exponents_without_a_point_are_numbers_in_files_and_overrides(tmp_path):
+    # YAML 1.1 (PyYAML's) reads 1e-4 as a string; a learning rate written so must still load.
+    file = tmp_path / "x.yaml"
+    file.write_text("lr: 1e-4\nname: 1e4x\n")
+    cfg = from_dict(Outer, load_yaml(file))
+    assert cfg.lr == 1e-4 and cfg.name == "1e4x"
+    assert from_dict(Outer, apply_overrides({}, ["lr=-5E+3"])).lr == -5e3
+    with pytest.raises(ConfigError, match=r"layers\[0\]: expected an integer, got 20.0"):
+        from_dict(Outer, apply_overrides({}, ["layers=[2e1, 3]"]))
 
 
 def test_malformed_override():

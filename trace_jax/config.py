@@ -8,6 +8,7 @@ Unknown keys and values of the wrong type fail at load time, naming the dotted k
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-4`` is a number (YAML 1.1, which PyYAML
+    follows, wants ``1.0e-4`` and reads ``1e-4`` as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """A YAML document (a config file, an override's value) as Python data, ``1e-4`` a float."""
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -70,7 +88,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = parse_yaml(raw) if raw.strip() else ""
     return out
 
 
@@ -113,7 +131,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = parse_yaml(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     return data
