@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model.sharding import commit
 from trace_jax.rl import metrics
 from trace_jax.rl.diagnostics import codes_of, guidance_of
 from trace_jax.rl.losses import LossConfig, group_advantages, policy_loss
@@ -16,7 +17,14 @@ from trace_jax.rl.trainer import RLBatch, Trainer, unguided
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
 CFG = ModelConfig.preset("tiny").replace(num_layers=2)
-TARGETS = jnp.arange(100, 132)  # reward 1 for sampling one of these 32 of 256 tokens
+TARGETS = jnp.arange(100, 132)  # reward for sampling one of these 32 of 256 tokens
+# One rollout shape for the FP4 tests (their engine, score and gradient programs are shared):
+# 8 prompts, 6 new tokens, full codes recorded for the code metrics.
+ROLLOUT = RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
+RECORDING = QuantPolicy.rollout(record_codes=True)
+PROMPTS8 = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]] * 2
+ADV8 = jnp.asarray([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 0.25, -0.25])
+KL = LossConfig(kl_coef=0.1)  # with the default TIS correction
 
 
 def batch_from(state, advantages, replay=True):
@@ -25,7 +33,8 @@ def batch_from(state, advantages, replay=True):
         filled=state.filled,
         loss_mask=state.generated,
         rollout_logp=state.logprobs,
-        advantages=advantages,
+        # committed like the rollout's arrays: one compiled program for every batch
+        advantages=commit(jnp.asarray(advantages)),
         routes=jnp.moveaxis(state.routes, 2, 0) if replay else None,
         guidance=guidance_of(state),
         rollout_codes=codes_of(state),
@@ -38,23 +47,32 @@ def target_mass(trainer, params, prompt):
     return float(jax.nn.softmax(logits)[TARGETS].sum())
 
 
-@pytest.mark.slow
-def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit():
+@pytest.fixture(scope="module")
+def fp4_batch():
+    """A 2-layer model (the deeper layer guided) and an FP4 rollout batch of it with the
+    rollout's codes of every row, shared by the update tests."""
     model = Transformer(CFG, nnx.Rngs(0))
-    engine = RolloutEngine(
-        model, QuantPolicy.rollout(), RolloutConfig(max_len=4, max_new_tokens=1, kv_cache="nvfp4")
-    )
-    trainer = Trainer(model, QuantPolicy.trace(), LossConfig(), optax.adam(3e-3))
+    engine = RolloutEngine(model, RECORDING, ROLLOUT)
+    return model, batch_from(engine.generate(PROMPTS8, jax.random.key(0)), ADV8)
+
+
+@pytest.mark.slow
+def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit(fp4_batch):
+    """Reward: the share of a sample's 6 tokens among TARGETS; the KL term holds the policy
+    near where it started (the update test's loss, so its programs are shared)."""
+    model, _ = fp4_batch
+    engine = RolloutEngine(model, RECORDING, ROLLOUT)
+    trainer = Trainer(model, QuantPolicy.trace(), KL, optax.adam(1e-2))
     state = trainer.init()
+    ref = jax.tree.map(jnp.copy, state.params)
     prompt = [1, 2, 3]
     before = target_mass(trainer, state.params, prompt)
     for step in range(12):
         engine.update_params(trainer.model(state.params), version=step)
-        rs = engine.generate([prompt] * 64, jax.random.key(step))
-        sampled = rs.tokens[:, 3]
-        rewards = jnp.isin(sampled, TARGETS).astype(jnp.float32)
+        rs = engine.generate([prompt] * 8, jax.random.key(step))
+        rewards = jnp.isin(rs.tokens[:, 3:9], TARGETS).mean(axis=1)
         adv = group_advantages(rewards.reshape(1, -1)).reshape(-1)
-        state, m = trainer.rl_step(state, batch_from(rs, adv))
+        state, m = trainer.rl_step(state, batch_from(rs, adv), ref_params=ref)
         assert np.isfinite(m["train/loss"]) and m["mismatch/logp_abs"] < 1e-3
     after = target_mass(trainer, state.params, prompt)
     assert before < 0.2 and after > 2 * before, (before, after)
@@ -62,24 +80,37 @@ def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit():
 
 
 @pytest.mark.slow
-def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
-    model = Transformer(CFG, nnx.Rngs(1))
-    engine = RolloutEngine(
-        model,
-        QuantPolicy.rollout(record_codes=True),
-        RolloutConfig(max_len=12, max_new_tokens=8, kv_cache="nvfp4"),
-    )
-    rs = engine.generate([[5, 6, 7]] * 4, jax.random.key(0))
+def test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics(fp4_batch):
+    model, batch = fp4_batch
     policy = QuantPolicy.trace()
-    trainer = Trainer(model, policy, LossConfig(), optax.sgd(1e-2))
-    adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
-    batch = batch_from(rs, adv)  # with the rollout's codes of every row
+    lr = 1e-2
+    trainer = Trainer(model, policy, KL, optax.sgd(lr))
     state = trainer.init()
     params0 = jax.tree.map(jnp.copy, state.params)
-    new, m = trainer.rl_step(state, batch)
+    noise = jax.tree.map(
+        lambda p: 0.05 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), state.params
+    )
+    ref = jax.tree.map(jnp.add, state.params, noise)
+    with pytest.raises(ValueError, match="reference parameters"):
+        trainer.rl_step(trainer.init(), batch)
+    new, m = trainer.rl_step(state, batch, ref_params=ref)
     # code metrics over the generated tokens; the guided layer (1) reproduces the rollout codes
     assert m["mismatch/code_rate/kv.k/1"] < 0.01 and "mismatch/d_act/experts.down.act/0" in m
     assert m["mismatch/guided_code_agreement"] > 0.99
+
+    # The loss by hand: ratio 1 (one update), the TIS weight min(pi_train / pi_rollout, 5)
+    # times -advantage, plus 0.1 x the k3 estimate of KL to the reference, per token.
+    logp, ref_logp = (np.asarray(trainer.score(p, batch)[0], np.float64) for p in (params0, ref))
+    mask = np.asarray(batch.loss_mask)
+    d = (ref_logp - logp)[mask]
+    kl = np.exp(d) - d - 1
+    assert m["loss/kl_ref"] == pytest.approx(kl.mean(), rel=1e-4)
+    # One update per batch: the ratio is 1, nothing is clipped (with several, see
+    # test_several_updates_per_batch_score_the_proximal_policy_once_and_clip).
+    assert m["loss/clip_frac"] == 0
+    w = np.minimum(np.exp(logp - np.asarray(batch.rollout_logp, np.float64)), 5.0)[mask]
+    adv = np.broadcast_to(np.asarray(ADV8)[:, None], mask.shape)[mask]
+    assert m["train/loss"] == pytest.approx(np.mean(-adv * w + 0.1 * kl), rel=1e-4)
 
     # SGD: new params = old - lr * grad of the loss the step reports
     def loss(params):
@@ -95,9 +126,10 @@ def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
             logp,
             jax.lax.stop_gradient(logp),
             batch.rollout_logp,
-            adv,
+            batch.advantages,
             batch.loss_mask,
-            LossConfig(),
+            KL,
+            jnp.asarray(ref_logp, jnp.float32),
         )[0]
         return value, out.router_choice
 
@@ -106,7 +138,7 @@ def test_rl_step_update_follows_the_loss_and_logs_code_metrics():
     # The trainer router's own top-k against the rollout's experts, under replay.
     routes = metrics.route_mismatch(choice, batch.routes, batch.loss_mask)
     assert m["mismatch/route_rate"] == pytest.approx(float(routes.mean()))
-    want = jax.tree.map(lambda p, g: p - 1e-2 * g, params0, grads)
+    want = jax.tree.map(lambda p, g: p - lr * g, params0, grads)
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -126,18 +158,6 @@ def test_warm_start_lowers_the_supervised_loss_without_guidance():
 
 
 CFG1 = CFG.replace(num_layers=1)
-PROMPTS8 = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]] * 2
-ADV8 = jnp.asarray([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 0.25, -0.25])
-
-
-@pytest.fixture(scope="module")
-def fp4_batch():
-    """A 1-layer model and an FP4 rollout batch of it, shared by the update tests."""
-    model = Transformer(CFG1, nnx.Rngs(0))
-    engine = RolloutEngine(
-        model, QuantPolicy.rollout(), RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
-    )
-    return model, batch_from(engine.generate(PROMPTS8, jax.random.key(0)), ADV8)
 
 
 def test_trainer_scores_the_sampling_distribution_so_bf16_pairs_stay_at_the_floor():
@@ -204,33 +224,8 @@ def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip(fp4_b
             params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-    # One update per batch clips nothing: test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand
-
-
-def test_kl_to_the_frozen_reference_is_the_k3_estimate_by_hand(fp4_batch):
-    model, batch = fp4_batch
-    loss_cfg = LossConfig(kl_coef=0.1, is_correction="none")
-    trainer = Trainer(model, QuantPolicy.trace(), loss_cfg, optax.sgd(0.0))
-    state = trainer.init()
-    noise = jax.tree.map(
-        lambda p: 0.05 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), state.params
-    )
-    ref = jax.tree.map(jnp.add, state.params, noise)
-    params = jax.tree.map(jnp.copy, state.params)
-    with pytest.raises(ValueError, match="reference parameters"):
-        trainer.rl_step(trainer.init(), batch)
-    _, m = trainer.rl_step(state, batch, ref_params=ref)
-    logp, ref_logp = (np.asarray(trainer.score(p, batch)[0], np.float64) for p in (params, ref))
-    mask = np.asarray(batch.loss_mask)
-    d = (ref_logp - logp)[mask]
-    kl = np.exp(d) - d - 1
-    assert m["loss/kl_ref"] == pytest.approx(kl.mean(), rel=1e-4)
-    # One update per batch: the ratio is 1, nothing is clipped (with several, see
-    # test_several_updates_per_batch_score_the_proximal_policy_once_and_clip).
-    assert m["loss/clip_frac"] == 0
-    # ratio 1, no correction: the loss is -advantage per token plus the weighted KL
-    adv = np.broadcast_to(np.asarray(ADV8)[:, None], mask.shape)[mask]
-    assert m["train/loss"] == pytest.approx(np.mean(-adv + 0.1 * kl), rel=1e-4)
+    # One update per batch clips nothing:
+    # test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics
 
 
 def test_trainers_built_alike_share_compiled_steps_and_others_do_not():
