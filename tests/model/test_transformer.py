@@ -21,6 +21,18 @@ def model():
     return Transformer(CFG, nnx.Rngs(0))
 
 
+# One compiled program per distinct call (policy, inputs given, shapes) instead of a hundred or
+# more small eager ones per forward; the tests below share its [2, 12] calls.
+@functools.partial(nnx.jit, static_argnames=("policy",))
+def forward(model, tokens, policy=None, **inputs):
+    return model(tokens, policy=policy, **inputs)
+
+
+def traced(model, tokens, **kwargs):
+    """The forward's output shapes (and any error it raises while tracing), compiling nothing."""
+    return nnx.eval_shape(lambda m: m(tokens, **kwargs), model)
+
+
 def tokens(b=2, t=12, seed=0):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
 
@@ -37,9 +49,17 @@ def test_tiny_preset_is_small_and_param_count_is_exact(model):
 
 
 def test_moe_dispatch_equals_a_dense_per_token_reference(model):
-    moe = model.layers[1].mlp
     x = jax.random.normal(jax.random.key(1), (3, 5, CFG.hidden_size))
-    y, experts, _ = moe(x, SiteContext(QuantPolicy(), CFG.num_layers), layer=1)
+    (y, experts, _), e, want = _moe_and_dense_reference(model.layers[1].mlp, x)
+    np.testing.assert_array_equal(np.asarray(experts).reshape(-1, 2), np.asarray(e))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@nnx.jit
+def _moe_and_dense_reference(moe, x):
+    """The MoE layer's (y, experts, choice), and the router's top-k and the dense per-token
+    reference output, in one program."""
+    out = moe(x, SiteContext(QuantPolicy(), CFG.num_layers), layer=1)
     logits = x.reshape(-1, CFG.hidden_size) @ moe.router[...]
     probs = jax.nn.softmax(logits, -1)
     w, e = jax.lax.top_k(probs, CFG.num_experts_per_tok)
@@ -50,39 +70,37 @@ def test_moe_dispatch_equals_a_dense_per_token_reference(model):
     )
     u = jnp.einsum("nh,nkhi->nki", xf[:, 0], moe.up_proj[...][e])
     d = jnp.einsum("nki,nkih->nkh", jax.nn.silu(g) * u, moe.down_proj[...][e])
-    want = jnp.sum(d * w[..., None], 1).reshape(x.shape)
-    np.testing.assert_array_equal(np.asarray(experts).reshape(-1, 2), np.asarray(e))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+    return out, e, jnp.sum(d * w[..., None], 1).reshape(x.shape)
 
 
 def test_logits_are_causal(model):
     tok = tokens()
-    a = model(tok).logits
-    b = model(tok.at[:, 8:].set((tok[:, 8:] + 1) % CFG.vocab_size)).logits
+    a = forward(model, tok).logits
+    b = forward(model, tok.at[:, 8:].set((tok[:, 8:] + 1) % CFG.vocab_size)).logits
     np.testing.assert_array_equal(np.asarray(a[:, :8]), np.asarray(b[:, :8]))
     assert not np.allclose(np.asarray(a[:, 8:]), np.asarray(b[:, 8:]))
 
 
 def test_left_padding_with_mask_and_positions_matches_the_unpadded_sequence(model):
-    tok = tokens(1, 9)
-    ref = model(tok).logits
+    tok = tokens()  # [2, 12]: the unpadded forward is the other tests' program
+    ref = forward(model, tok).logits
     pad = 3
-    padded = jnp.concatenate([jnp.zeros((1, pad), tok.dtype), tok], axis=1)
-    mask = jnp.arange(9 + pad)[None] >= pad
-    pos = jnp.maximum(jnp.arange(9 + pad) - pad, 0)[None]
-    out = model(padded, attention_mask=mask, positions=pos).logits[:, pad:]
+    padded = jnp.concatenate([jnp.zeros((2, pad), tok.dtype), tok], axis=1)
+    mask = jnp.broadcast_to(jnp.arange(12 + pad) >= pad, padded.shape)
+    pos = jnp.broadcast_to(jnp.maximum(jnp.arange(12 + pad) - pad, 0), padded.shape)
+    out = forward(model, padded, attention_mask=mask, positions=pos).logits[:, pad:]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_replaying_recorded_routes_reproduces_the_forward_and_moves_gradient_to_the_router(model):
     tok = tokens()
-    out = model(tok)
+    out = forward(model, tok)
     assert out.routes.shape == (len(CFG.moe_layers), 2, 12, CFG.num_experts_per_tok)
-    again = model(tok, replay_routes=out.routes)
+    again = forward(model, tok, replay_routes=out.routes)
     np.testing.assert_array_equal(np.asarray(again.logits), np.asarray(out.logits))
     # Replaying other experts changes the expert set but the router still gets gradient.
     other = (out.routes + 1) % CFG.num_experts
-    replayed = model(tok, replay_routes=other)
+    replayed = forward(model, tok, replay_routes=other)
     np.testing.assert_array_equal(np.asarray(replayed.routes), np.asarray(other))
     # The router's own choice is still reported: what this forward would have picked (the
     # first MoE layer sees the same input; later ones see the replayed experts' outputs).
@@ -91,21 +109,24 @@ def test_replaying_recorded_routes_reproduces_the_forward_and_moves_gradient_to_
     np.testing.assert_array_equal(np.asarray(replayed.router_choice[0]), np.asarray(out.routes[0]))
     assert not np.array_equal(np.asarray(replayed.router_choice), np.asarray(other))
 
-    def loss(m):
-        return jnp.mean(m(tok, replay_routes=other).logits ** 2)
-
-    grads = nnx.grad(loss)(model)
-    router_grad = grads.layers[0].mlp.router[...]
+    router_grad = _replayed_loss_grad(model, tok, other).layers[0].mlp.router[...]
     assert float(jnp.abs(router_grad).sum()) > 0
+
+
+@nnx.jit
+def _replayed_loss_grad(model, tok, routes):
+    return nnx.grad(lambda m: jnp.mean(m(tok, replay_routes=routes).logits ** 2))(model)
 
 
 def test_replay_routes_of_the_wrong_shape_is_refused(model):
     with pytest.raises(ValueError, match="replay_routes has shape"):
-        model(tokens(), replay_routes=jnp.zeros((1, 2, 12, 2), jnp.int32))
+        traced(model, tokens(), replay_routes=jnp.zeros((1, 2, 12, 2), jnp.int32))
 
 
 def test_trace_with_the_rollout_inputs_reproduces_the_rollout_exactly(model):
     tok = tokens()
+    # Eager: the FP4 sites' jitted programs are shared by the layers and the calls (one jit of
+    # the whole quantized forward compiles longer than these).
     rollout = model(tok, policy=QuantPolicy.rollout(guided_layers="all"))
     assert len(rollout.records) == 4 * CFG.num_layers
     trained = model(
@@ -115,12 +136,12 @@ def test_trace_with_the_rollout_inputs_reproduces_the_rollout_exactly(model):
         replay_routes=rollout.routes,
     )
     np.testing.assert_array_equal(np.asarray(trained.logits), np.asarray(rollout.logits))
-    bf16 = model(tok)
+    bf16 = forward(model, tok)
     assert not np.allclose(np.asarray(bf16.logits), np.asarray(rollout.logits))
 
 
 def test_guidance_shapes_follow_the_token_layout(model):
-    rollout = model(tokens(2, 12), policy=QuantPolicy.rollout())
+    rollout = traced(model, tokens(2, 12), policy=QuantPolicy.rollout())
     g = rollout.records
     assert set(g) == {
         f"layers.{i}.{s}"
@@ -136,17 +157,17 @@ def test_guided_expert_activations_without_routing_replay_are_refused(model):
     """The down-projection guidance is per (token, expert slot) of the rollout's routes; without
     replay the trainer's slot j may hold another expert's input."""
     tok = tokens()
-    rollout = model(tok, policy=QuantPolicy.rollout(guided_layers="all"))
+    rollout = traced(model, tok, policy=QuantPolicy.rollout(guided_layers="all"))
     with pytest.raises(ValueError, match=r"layer 0: guided expert activations need replay_routes"):
-        model(tok, policy=QuantPolicy.trace(guided_layers="all"), guidance=rollout.records)
+        traced(model, tok, policy=QuantPolicy.trace(guided_layers="all"), guidance=rollout.records)
     # Guided KV sites alone (per token) need no replay.
     kv_only = dataclasses.replace(QuantPolicy.trace(guided_layers="all"), expert_acts="rtn")
-    model(tok, policy=kv_only, guidance=rollout.records)
+    traced(model, tok, policy=kv_only, guidance=rollout.records)
 
 
 def test_missing_guidance_is_an_error(model):
     with pytest.raises(KeyError, match=r"layers\.2\.kv\.k is guided but no guidance"):
-        model(tokens(), policy=QuantPolicy.trace())
+        traced(model, tokens(), policy=QuantPolicy.trace())
 
 
 def test_policy_resolution():
@@ -197,7 +218,7 @@ def test_scanned_layers_compute_what_the_per_layer_loop_does():
     per-layer loop's, on a stack with a dense layer and TRACE's RTN and guided halves."""
     cfg = CFG.replace(num_layers=6, mlp_only_layers=(0,))
     m = Transformer(cfg, nnx.Rngs(3))
-    tok = tokens(2, 8)
+    tok = tokens()  # the other tests' shape: the eager per-layer loop reuses their FP4 programs
     rollout, trace = QuantPolicy.rollout(record_codes=True), QuantPolicy.trace()
     assert m._runs(SiteContext(trace, 6)) == [(0, 1), (1, 3), (3, 6)]
     assert m._runs(SiteContext(QuantPolicy(), 6)) == [(0, 1), (1, 6)]
