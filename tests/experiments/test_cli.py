@@ -4,6 +4,7 @@ import json
 
 import pytest
 import yaml
+from tiny_rl import LONG_HORIZON, SMALL_RL
 
 from experiments.__main__ import main
 
@@ -96,19 +97,6 @@ def test_bench_scripts_print_their_tables(capsys):
     assert "qwen3-30b-a3b" in out and "full/compact" in out
 
 
-SMALL_RL = [
-    "steps=2",
-    "warm_start.steps=1",
-    "warm_start.batch=2",
-    "prompts_per_step=2",
-    "group_size=2",
-    "eval_every=2",
-    "eval_problems=4",  # a rollout batch: the greedy evaluation prefills with its program
-    "tensorboard=false",
-    "model_overrides={num_layers: 1, dtype: bfloat16}",
-]
-
-
 @pytest.mark.slow
 def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys, monkeypatch):
     from trace_jax.rl import loop
@@ -131,17 +119,21 @@ def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys, mon
     monkeypatch.setattr(loop.RLRun, "run", run_then_record)
     runs = []
     for config, extra in [
+        LONG_HORIZON,
         (
-            "configs/long_horizon/fp4_trace.yaml",
-            ["max_turns=3", "task.args.max_turns=3", "task.args.min_path=2", "eval_problems=0"],
-        ),
-        (
+            # reasoning at tests/experiments/conftest.py's SMALL shapes: its warm start program
             "configs/reasoning/ptq_eval.yaml",
-            ["ptq_scale_rules=[four_over_six]", "eval_split=train"],
+            [
+                *SMALL_RL,
+                "warm_start.batch=4",
+                "max_new_tokens=6",
+                "ptq_scale_rules=[four_over_six]",
+                "eval_split=train",
+            ],
         ),
     ]:
         run_dir = tmp_path / config.replace("/", "_")
-        assert main(["run", config, *SMALL_RL, *extra, "--run-dir", str(run_dir)]) == 0, config
+        assert main(["run", config, *extra, "--run-dir", str(run_dir)]) == 0, config
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
         assert (run_dir / "curves.png").stat().st_size > 0

@@ -11,14 +11,15 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_rl import LONG_HORIZON
 
+from experiments.__main__ import resolve
 from trace_jax.config import ConfigError, from_dict
 from trace_jax.guidance import GuidanceVersionError
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer, restore_params, save_params
+from trace_jax.model import ModelConfig, Transformer, restore_params, save_params
 from trace_jax.rl import loop
-from trace_jax.rl.tasks_io import TaskIO
 from trace_jax.rl.trainer import Trainer
-from trace_jax.rollout import RolloutConfig, RolloutEngine
+from trace_jax.rollout import RolloutEngine
 
 
 def small(**kw) -> loop.RLConfig:
@@ -142,22 +143,14 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     assert max(grown) <= 1, grown
 
 
-def test_multi_turn_episodes_append_observations_outside_the_loss():
-    io = TaskIO("long_horizon", {"size": 4, "num_checkpoints": 0, "min_path": 2, "max_turns": 8})
-    cfg = ModelConfig.preset("tiny").replace(num_layers=1)
-    engine = RolloutEngine(
-        Transformer(cfg, nnx.Rngs(0)),
-        QuantPolicy.rollout(),
-        RolloutConfig(
-            max_len=io.max_len(4, 5),
-            max_new_tokens=4,
-            kv_cache="nvfp4",
-            stop_tokens=io.stop_tokens,
-        ),
-    )
-    problems = [io.problem("train", i) for i in range(3)]
-    state, rewards = io.rollout(engine, problems, jax.random.key(1), max_turns=5)
-    assert rewards.shape == (3,) and np.all((rewards >= 0) & (rewards <= 1))
+def test_multi_turn_episodes_append_observations_outside_the_loss(tmp_path):
+    # The engine of the CLI's long-horizon run (tests/experiments/test_cli.py): its programs.
+    config, overrides = LONG_HORIZON
+    run = loop.RLRun(resolve(config, overrides)[1], tmp_path, log=lambda *_: None)
+    io, engine, max_turns = run.io, run.engine, run.cfg.max_turns
+    problems = [io.problem("train", i) for i in range(4)]  # the run's batch
+    state, rewards = io.rollout(engine, problems, jax.random.key(1), max_turns=max_turns)
+    assert rewards.shape == (4,) and np.all((rewards >= 0) & (rewards <= 1))
     tokens, gen = np.asarray(state.tokens), np.asarray(state.generated)
     for b, p in enumerate(problems):
         # Replay the policy's turns through a fresh environment: the tokens between them are
@@ -182,7 +175,7 @@ def test_multi_turn_episodes_append_observations_outside_the_loss():
                 break
             np.testing.assert_array_equal(tokens[b, end : end + len(ids)], ids)
             pos = end + len(ids)
-        assert 1 <= turns <= 5
+        assert 1 <= turns <= max_turns
 
 
 def params_of(folder):
@@ -192,8 +185,8 @@ def params_of(folder):
 
 def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
     """The warm start is BF16 whatever the mode (as a pretrained model would be): a
-    warm-start-only run (``steps: 0``) writes ``policy/``; runs of other modes started from it
-    with ``init_checkpoint`` begin RL from exactly those parameters."""
+    warm-start-only run (``steps: 0``) writes ``policy/``; a run of another mode started from it
+    with ``init_checkpoint`` begins RL from exactly those parameters."""
     quiet = dict(log=lambda *_: None)
     warm = dict(steps=0, eval_problems=0)
     loop.RLRun(small(**warm), tmp_path / "warm_trace", **quiet).run()
@@ -201,15 +194,15 @@ def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
     start = params_of(tmp_path / "warm_trace" / "policy")
     for a, b in zip(start, params_of(tmp_path / "warm_qat" / "policy"), strict=True):
         np.testing.assert_array_equal(a, b)
+    # TRACE RL from the QAT run's warm start (small()'s programs, compiled once for the module)
     cfg = small(
-        train_mode="qat",
         warm_start={"steps": 0},
-        init_checkpoint=str(tmp_path / "warm_trace"),
+        init_checkpoint=str(tmp_path / "warm_qat"),
         steps=1,
         eval_problems=0,
     )
-    loop.RLRun(cfg, tmp_path / "qat", **quiet).run()
-    for a, b in zip(start, params_of(tmp_path / "qat" / "policy"), strict=True):
+    loop.RLRun(cfg, tmp_path / "trace", **quiet).run()
+    for a, b in zip(start, params_of(tmp_path / "trace" / "policy"), strict=True):
         np.testing.assert_array_equal(a, b)
     # A policy of another model config is refused, naming the folder.
     other = tmp_path / "two_layers"
