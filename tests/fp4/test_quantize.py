@@ -1,5 +1,7 @@
 """Block-scaled quantization: stored fields, error bounds, edge cases, options and errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -167,19 +169,17 @@ def test_zeros_stay_zeros_where_the_reciprocal_overflows():
     # A row of amax 1e-36 has s_g at its floor (the smallest normal float32) and a zero block
     # the smallest E4M3 scale: (1 / s_g) / s_b = 2**132 overflows, and 0 * inf must not make a
     # NaN whose code min/max decide (the Triton activation kernel and XLA disagreed there).
-    x = (
-        jnp.full((1, 48), 1e-36, jnp.float32)
-        .at[0, :16]
-        .set(0.0)
-        .at[0, 3]
-        .set(-0.0)
-        .at[0, 20]
-        .set(-1e-36)
-    )
+    x = np.full((1, 48), 1e-36, np.float32)
+    x[0, :16], x[0, 3], x[0, 20] = 0.0, -0.0, -1e-36
+    x = jnp.asarray(x)
     qt = fp4.quantize(x, "nvfp4", axis=-1, global_scale="row")
     assert float(qt.global_scale.reshape(-1)[0]) == np.finfo(np.float32).tiny
     s_g = qt.global_scale.reshape(1, 1)
-    z = np.asarray(normalise(x.reshape(1, 3, 16), e4m3_to_float32(qt.block_scales), s_g, qt.fmt))
+    # jitted, as quantize runs it (one program, not one per eager step)
+    z = jax.jit(normalise, static_argnums=3)(
+        x.reshape(1, 3, 16), e4m3_to_float32(qt.block_scales), s_g, qt.fmt
+    )
+    z = np.asarray(z)
     assert not np.isnan(z).any()
     assert np.array_equal(np.signbit(z[0, 0]), np.arange(16) == 3)
     codes = np.asarray(fp4.unpacked_codes(qt)).reshape(-1)
@@ -249,16 +249,23 @@ def test_four_over_six_never_loses_to_either_candidate_and_helps_on_average():
     assert float(qt46.global_scale) == pytest.approx(float(jnp.abs(x).max()) / (6 * 256), rel=1e-6)
     # Per block, 4/6 keeps the better of "max to 6" and "max to 4" under its global scale,
     # so it is never worse than max-6 with the same global scale (recomputed here).
-    s_g = qt46.global_scale
-    amax_b = jnp.abs(x).reshape(64, 16, 16).max(-1)
-    blocks = x.reshape(64, 16, 16)
     for target in (6.0, 4.0):
-        s_b = nvfp4_block_scale(amax_b, s_g, target).astype(jnp.float32)
-        z = jnp.clip(normalise(blocks, s_b, s_g, fp4.NVFP4), -6, 6)
-        cand = decode_blocks(fp4.round_to_e2m1(z), s_b, s_g)  # the dequantization's arithmetic
-        cand_err = np.square(np.asarray(cand - blocks)).sum(-1)
+        cand = _candidate_error(x, qt46.global_scale, target=target)
+        cand_err = np.square(np.asarray(cand)).sum(-1)
         assert np.all(err["four_over_six"] <= cand_err)
     assert err["four_over_six"].sum() < err["max6"].sum()
+
+
+@functools.partial(jax.jit, static_argnames="target")  # a constant, as quantize's own 4.0
+def _candidate_error(x, s_g, target):
+    """Error [64, 16, 16] of mapping each block max of ``x`` [64, 256] to ``target``
+    under the global scale ``s_g`` (one program, not one per eager step)."""
+    amax_b = jnp.abs(x).reshape(64, 16, 16).max(-1)
+    blocks = x.reshape(64, 16, 16)
+    s_b = nvfp4_block_scale(amax_b, s_g, target).astype(jnp.float32)
+    z = jnp.clip(normalise(blocks, s_b, s_g, fp4.NVFP4), -6, 6)
+    cand = decode_blocks(fp4.round_to_e2m1(z), s_b, s_g)  # the dequantization's arithmetic
+    return cand - blocks
 
 
 def test_stochastic_rounding_is_unbiased_through_quantize():

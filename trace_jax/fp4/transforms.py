@@ -158,6 +158,7 @@ class Guidance:
         return 8.0 * self.nbytes / max(1, int(np.prod(self.shape)))
 
 
+@jax.jit  # one program for eager callers (the guidance cache), not one per unpack/pack step
 def rollout_guidance(qt: QTensor) -> Guidance:
     """The compact guidance record of a rollout-side ``QTensor``: 1 mantissa bit + scales."""
     codes = e2m1.unpack_nibbles(qt.codes)
@@ -265,6 +266,7 @@ def guided_fake_quant(x: jax.Array, guidance: Guidance, *, mask_outside: bool = 
     return straight_through(x, dequantize(qt, x.dtype), mask)
 
 
+@jax.jit  # one program for eager callers, not one per unpack/decode step
 def code_values(qt: QTensor) -> jax.Array:
     """The E2M1 values (before scaling) of ``qt`` in its logical layout, float32."""
     return from_blocks(e2m1.decode_e2m1(unpacked_codes(qt)), qt.axis)
