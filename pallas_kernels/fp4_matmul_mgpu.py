@@ -752,6 +752,7 @@ def dense_partials(
     return kernel(xp, w.words, w.scales, *scales)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def fp4_matmul_mgpu(
     x: jax.Array,
     w: MgpuWeight,
@@ -876,6 +877,7 @@ def grouped_partials(
     return kernel(be, brow, valid, xp, w.words, w.scales, w.out_scale)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def fp4_grouped_matmul_mgpu(
     x: jax.Array,
     w: MgpuWeight,

@@ -211,14 +211,24 @@ def stack_experts(w: QTensor) -> QTensor:
 def prepack_arrays(w: QTensor) -> Fp4Weight:
     """The ``Fp4Weight`` fields every FP4 kernel shares (no second copy of the codes): works on
     [..., N, K/2] stored layouts, dense or grouped."""
-    n_rows = w.codes.shape[:-1]
-    if w.fmt.scale_format == "e4m3":
-        scales = jax.lax.bitcast_convert_type(w.block_scales, jnp.uint8)
+    scales, offset, out_scale = _kernel_scales(
+        w.block_scales, w.global_scale, w.codes.shape[:-1], w.fmt.scale_format
+    )
+    return Fp4Weight(
+        codes=w.codes, scales=scales, scale_offset=offset, out_scale=out_scale, qtensor=w
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("n_rows", "scale_format"))
+def _kernel_scales(block_scales, global_scale, n_rows, scale_format):
+    """``prepack_arrays``' scale bytes, offset and output scales (one program per shape)."""
+    if scale_format == "e4m3":
+        scales = jax.lax.bitcast_convert_type(block_scales, jnp.uint8)
         offset = jnp.int32(NVFP4_SCALE_OFFSET)
         row_nan = jnp.zeros(n_rows, bool)
-        g = jnp.broadcast_to(jnp.reshape(w.global_scale, w.global_scale.shape[:-1] or ()), n_rows)
+        g = jnp.broadcast_to(jnp.reshape(global_scale, global_scale.shape[:-1] or ()), n_rows)
     else:
-        scales = w.block_scales
+        scales = block_scales
         finite = jnp.where(scales == E8M0_NAN, 0, scales)
         # Keep the largest block exponent at the top of bf16's range: 126 binades below it stay
         # exact, and anything smaller is below 2**-126 of the largest value.
@@ -226,10 +236,8 @@ def prepack_arrays(w: QTensor) -> Fp4Weight:
         row_nan = jnp.any(scales == E8M0_NAN, axis=-1)
         g = jnp.ones(n_rows, jnp.float32)
     pow2 = jax.lax.bitcast_convert_type((126 - offset + 127) << 23, jnp.float32)
-    out_scale = jnp.where(row_nan, jnp.nan, g.astype(jnp.float32) * pow2)
-    return Fp4Weight(
-        codes=w.codes, scales=scales, scale_offset=offset, out_scale=out_scale, qtensor=w
-    )
+    out_scale = jnp.where(row_nan, jnp.nan, jnp.asarray(g, jnp.float32) * pow2)
+    return scales, offset, out_scale
 
 
 # ----------------------------------------------------------------------------- one-token words
@@ -250,6 +258,7 @@ def gemv_default_block_n(n: int) -> int:
     return block_n
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "block_k", "block_n"))
 def pack_gemv_words(
     codes: jax.Array, fmt: FormatSpec, block_k: int = GEMV_BLOCK_K, block_n: int = 0
 ) -> jax.Array:
@@ -274,6 +283,7 @@ def pack_gemv_words(
     return tiles.reshape(n // block_n, k // block_k * block_n, block_k // 8)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "block_k", "block_n"))
 def pack_gemv_scales(scales: jax.Array, fmt: FormatSpec, block_k: int, block_n: int) -> jax.Array:
     """Scale bytes [N, K/block] -> [N/block_n, K/block_k * block_n, block_k/block]: the scales
     of one (row tile, step) contiguous, as ``pack_gemv_words`` with ``block_n`` lays the words."""
@@ -305,6 +315,7 @@ def mgpu_layout_fits(fmt, k: int, n: int) -> bool:
     return fmt.name in ("nvfp4", "mxfp4") and k % MGPU_CHUNK == 0 and n % MGPU_TILE_N == 0
 
 
+@functools.partial(jax.jit, static_argnames=("scale_format",))
 def pack_mgpu(
     codes: jax.Array, scale_bytes: jax.Array, out_scale: jax.Array, scale_format: str
 ) -> MgpuWeight:
@@ -354,6 +365,13 @@ def prepack_mgpu(w: QTensor, base: Fp4Weight | None = None) -> MgpuWeight:
     base = base if base is not None else prepack_arrays(w)
     sb = base.scales  # [*E, N, K/block] uint8
     if w.fmt.scale_format == "e8m0":
-        finite = jnp.where(sb == E8M0_NAN, 0, sb).astype(jnp.int32)
-        sb = jnp.repeat((finite + base.scale_offset).astype(jnp.uint8), 2, axis=-1)
+        sb = _e8m0_halves(sb, base.scale_offset)
     return pack_mgpu(w.codes, sb, base.out_scale, w.fmt.scale_format)
+
+
+@jax.jit
+def _e8m0_halves(sb: jax.Array, offset: jax.Array) -> jax.Array:
+    """MXFP4 scale bytes [*E, N, K/32] -> [*E, N, K/16]: each block's biased exponent plus the
+    offset (NaN bytes as 0), repeated for its two 16-element halves."""
+    finite = jnp.where(sb == E8M0_NAN, 0, sb).astype(jnp.int32)
+    return jnp.repeat((finite + offset).astype(jnp.uint8), 2, axis=-1)

@@ -1,8 +1,11 @@
 """Shared by the kernel tests (on the path through pytest's `pythonpath`): inputs and the bf16-level
 agreement checks of the FP4 matmul and decode-attention kernels."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from trace_jax import fp4
@@ -10,9 +13,10 @@ from trace_jax.rollout import kv_cache
 
 
 def random_x(m, k, seed):
-    """[m, k] bf16 activations (drawn in numpy: no program compiled per shape)."""
+    """[m, k] bf16 activations (drawn and rounded to bf16 in numpy, as XLA rounds: no program
+    compiled per shape)."""
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(jnp.bfloat16)
+    return jnp.asarray(rng.standard_normal((m, k), np.float32).astype(ml_dtypes.bfloat16))
 
 
 def assert_close(y, ref):
@@ -36,15 +40,23 @@ def stored_cache(fmt, x):
 
 def attn_inputs(fmt, b, s, hkv, hq, d, seed):
     """q [B, Hq, D] bf16 and a K and V cache [B, S, Hkv, D] in format ``fmt``."""
+    q, k, v = _attn_draws(b, s, hkv, hq, d, seed)
+    return q, stored_cache(fmt, k), stored_cache(fmt, v)
+
+
+@functools.partial(jax.jit, static_argnames=("b", "s", "hkv", "hq", "d"))
+def _attn_draws(b, s, hkv, hq, d, seed):
+    """``attn_inputs``' q and float32 K, V: one program per shape, the seed an operand."""
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
     # Per-token magnitudes spread over 2**-3..2**3 so the per-row scales differ row to row.
     mag = 2.0 ** jax.random.uniform(jax.random.key(seed + 1), (b, s, hkv, 1), minval=-3, maxval=3)
     k = jax.random.normal(kk, (b, s, hkv, d), jnp.float32) * mag
     v = jax.random.normal(kv, (b, s, hkv, d), jnp.float32) * mag[:, ::-1]
     q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(jnp.bfloat16)
-    return q, stored_cache(fmt, k), stored_cache(fmt, v)
+    return q, k, v
 
 
+@jax.jit
 def poison(stored, lengths, lo=None):
     """Decode attention: every slot outside [lo, length) overwritten with NaN bytes."""
 

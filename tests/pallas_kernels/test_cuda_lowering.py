@@ -4,8 +4,9 @@ lower; the Mosaic GPU forms are checked in ``test_fp4_matmul_mgpu.py``."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 
 from pallas_kernels import cuda_lowering, layouts
@@ -20,8 +21,14 @@ from trace_jax.rollout import kv_cache
 B, S, HKV, HQ, D = 2, 256, 4, 32, 128
 
 
+def _normal(shape, seed, dtype=np.float32, scale=1.0):
+    """Values only fill the operands (the tests lower, never run): drawn in numpy."""
+    x = np.random.default_rng(seed).standard_normal(shape, np.float32) * np.float32(scale)
+    return jnp.asarray(x.astype(dtype))
+
+
 def _cache(fmt, seed):
-    x = jax.random.normal(jax.random.key(seed), (B, S, HKV, D))
+    x = _normal((B, S, HKV, D), seed)
     qt = None
     if fmt in ("nvfp4", "mxfp4"):
         qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
@@ -38,7 +45,7 @@ def _one_kernel(fn, *args) -> str:
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("heads", [1, 2])
 def test_decode_attention_lowers(fmt, heads):
-    q = jax.random.normal(jax.random.key(0), (B, HQ, D)).astype(jnp.bfloat16)
+    q = _normal((B, HQ, D), 0, ml_dtypes.bfloat16)
     k, v = _cache(fmt, 1), _cache(fmt, 2)
     lengths = jnp.array([1, S], jnp.int32)
     cfg = ft.DecodeAttentionConfig(block_k=16, num_splits=2, heads_per_program=heads)
@@ -50,8 +57,8 @@ def test_decode_attention_lowers(fmt, heads):
 
 
 def test_fused_append_lowers():
-    q = jax.random.normal(jax.random.key(0), (B, HQ, D)).astype(jnp.bfloat16)
-    new = jax.random.normal(jax.random.key(3), (B, HKV, D)).astype(jnp.bfloat16)
+    q = _normal((B, HQ, D), 0, ml_dtypes.bfloat16)
+    new = _normal((B, HKV, D), 3, ml_dtypes.bfloat16)
     k, v = _cache("nvfp4", 1), _cache("nvfp4", 2)
     lengths = jnp.array([0, S - 1], jnp.int32)
     modules = cuda_lowering.triton_modules(
@@ -61,7 +68,7 @@ def test_fused_append_lowers():
 
 
 def _dense(k=512, n=256):
-    return fp4.quantize(jax.random.normal(jax.random.key(5), (k, n)) * 0.05, "nvfp4", axis=0)
+    return fp4.quantize(_normal((k, n), 5, scale=0.05), "nvfp4", axis=0)
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
@@ -78,7 +85,7 @@ def test_w4a4_kernel_decode_and_grouped_lower():
     x = jnp.zeros((16, 512), jnp.bfloat16)
     w = layouts.prepack(_dense(), mgpu=False)
     _one_kernel(lambda x, w: fm.fp4_matmul_w4a4(x, w, activation_dequant="kernel"), x, w)
-    experts = fp4.quantize(jax.random.normal(jax.random.key(6), (4, 512, 256)), "nvfp4", axis=1)
+    experts = fp4.quantize(_normal((4, 512, 256), 6), "nvfp4", axis=1)
     wg = layouts.prepack_grouped(experts, mgpu=False)
     sizes = jnp.array([3, 0, 12, 9], jnp.int32)
     _one_kernel(

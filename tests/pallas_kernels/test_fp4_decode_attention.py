@@ -20,6 +20,7 @@ from trace_jax.rollout import kv_cache
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 SMALL = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
+POISONED = (4, 64, 2, 8, 64)  # B, S, Hkv, Hq, D: shared by the tests of SMALL's tiling
 
 # hp (heads_per_program) 2: both KV heads' query groups share a program's rows, each row masked
 # to its own head's slots
@@ -35,7 +36,7 @@ SMALL = ft.DecodeAttentionConfig(block_k=16, num_splits=2)
 def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     # Lengths 1, the maximum and in between; slots past each length hold NaN bytes, which the
     # kernel must never read into the result.
-    b, s, hkv, hq, d = 4, 64, 2, 8, 64
+    b, s, hkv, hq, d = POISONED
     q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
     lengths = jnp.array([1, s, 37, 16], jnp.int32)
     ref = fa.decode_attention_reference(q, k, v, lengths)
@@ -57,10 +58,12 @@ def test_matches_reference_with_poisoned_stale_slots(fmt, hp):
     [("bf16", 2), ("fp8", 1), ("nvfp4", 2), ("mxfp4", 1)],
 )
 def test_sliding_window(fmt, hp):
-    b, s, hkv, hq, d = 3, 64, 2, 4, 32
+    # the inputs of test_matches_reference_with_poisoned_stale_slots (its draws and its
+    # reference without the window, the same programs)
+    b, s, hkv, hq, d = POISONED
     window = 21
-    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=2)
-    lengths = jnp.array([s, 40, 5], jnp.int32)
+    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
+    lengths = jnp.array([s, 40, 5, 22], jnp.int32)
     lo = jnp.maximum(lengths - window, 0)
     ref = fa.decode_attention_reference(q, k, v, lengths, window=window)
     kp, vp = kc.poison(k, lengths, lo), kc.poison(v, lengths, lo)
@@ -104,25 +107,34 @@ def test_fp4_tiles_hold_d_positions_4m_plus_t(fmt):
     # cache's own dequantization: tile t, column m is D position 4m + t, for every code value.
     s, d = 64, 128
     _, k, _ = kc.attn_inputs(fmt, 1, s, 1, 1, d, seed=9)
-    codes, scales, g = (a[0, :, 0] for a in kv_layout.operands(k))
-    words = ft._codes_u16(codes)
-    np.testing.assert_array_equal(np.asarray(ft._codes_u8(words)), np.asarray(codes))
-    cfg = ft.DecodeAttentionConfig(dequant="portable")
-    parts, col = ft._decode_tile([words, scales, g], cfg, fmt)
+
+    @jax.jit  # one program (eager, each op of the decode compiled on its own)
+    def decode(k):
+        codes, scales, g = (a[0, :, 0] for a in kv_layout.operands(k))
+        words = ft._codes_u16(codes)
+        cfg = ft.DecodeAttentionConfig(dequant="portable")
+        parts, col = ft._decode_tile([words, scales, g], cfg, fmt)
+        got = jnp.stack([p.astype(jnp.float32) for p in parts], axis=-1).reshape(s, d)
+        want = kv_cache.read(k, jnp.float32)[0, :, 0]
+        return codes, ft._codes_u8(words), parts, got * col[:, None], want
+
+    codes, back, parts, got, want = decode(k)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(codes))
     assert len(parts) == 4 and parts[0].shape == (s, d // 4) and parts[0].dtype == jnp.bfloat16
-    got = jnp.stack([p.astype(jnp.float32) for p in parts], axis=-1).reshape(s, d) * col[:, None]
-    want = kv_cache.read(k, jnp.float32)[0, :, 0]
     assert np.unique(np.asarray(codes) & 0xF).size == 16  # every code value occurs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0)
 
 
 def test_nan_in_a_valid_slot_is_loud():
-    b, s, hkv, hq, d = 1, 32, 1, 2, 32
-    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=6)
+    # the program of test_matches_reference_with_poisoned_stale_slots[nvfp4-1]: a NaN scale in
+    # a valid slot of sequence 0 makes all its heads NaN and no other sequence's
+    b, s, hkv, hq, d = POISONED
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=1)
     g = k.global_scale.at[0, 3].set(jnp.nan)
     k = dataclasses.replace(k, global_scale=g)
-    y = fa.decode_attention(q, k, v, jnp.array([10], jnp.int32), config=SMALL, interpret=True)
-    assert np.all(np.isnan(np.asarray(y, np.float32)))
+    lengths = jnp.array([10, s, 37, 16], jnp.int32)
+    y = np.asarray(fa.decode_attention(q, k, v, lengths, config=SMALL, interpret=True), np.float32)
+    assert np.all(np.isnan(y[0])) and np.all(np.isfinite(y[1:]))
 
 
 def test_reference_matches_plain_softmax():
@@ -151,8 +163,13 @@ def test_reference_matches_plain_softmax():
     np.testing.assert_allclose(np.asarray(ref, np.float32), out, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("fmt", "kernel"),
+    # the kernel copies byte rows: MXFP4's (codes, scales, per-row global scale) are NVFP4's
+    # structure at other widths
+    [(f, False) for f in FORMATS] + [(f, True) for f in ("bf16", "fp8", "nvfp4")],
+    ids=lambda v: {False: "xla", True: "kernel"}.get(v, v),
+)
 def test_kv_append_equals_cache_write(fmt, kernel):
     b, s, hkv, d = 3, 32, 2, 64
     base = np.random.default_rng(9).standard_normal((b, s, hkv, d), np.float32)
@@ -160,10 +177,7 @@ def test_kv_append_equals_cache_write(fmt, kernel):
     x = kc.random_x(b * hkv, d, seed=10).reshape(b, 1, hkv, d)
     lengths = jnp.array([0, 31, 32], jnp.int32)  # first slot, last slot, full (dropped)
     valid = jnp.array([[True], [True], [True]])
-    qt = None
-    if fmt in ("nvfp4", "mxfp4"):
-        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
-    expect = kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
+    expect = _written(fmt, buf, x, lengths, valid)
     append = functools.partial(fa.kv_append, kernel=kernel, interpret=kernel)
     got = append(jax.tree.map(jnp.copy, buf), x, lengths)
     _assert_same_bytes(got, expect)
@@ -206,9 +220,11 @@ def test_kv_append_many_writes_k_and_v_in_one_call(fmt):
 @pytest.mark.parametrize(
     ("fmt", "tensor_cores", "window"),
     # each format through the Triton kernel's fused append and both through the Mosaic GPU
-    # kernel's; the window (format-independent bounds that count the new token) once per kernel
+    # kernel's; the window (format-independent bounds that count the new token) in the Triton
+    # kernel, which counts it itself (the Mosaic GPU kernel takes lengths + taken and bounds
+    # the window as without an append: test_fp4_decode_attention_mgpu.test_sliding_window)
     [(f, False, None) for f in FORMATS]
-    + [("nvfp4", False, 9), ("nvfp4", True, None), ("mxfp4", True, None), ("nvfp4", True, 9)],
+    + [("nvfp4", False, 9), ("nvfp4", True, None), ("mxfp4", True, None)],
 )
 def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
@@ -241,6 +257,15 @@ def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     # Only the taken slots were written: the stored bytes equal the two-call path's.
     for got, want in ((got_k, want_k), (got_v, want_v)):
         _assert_same_bytes(kc.poison(got, lengths + taken), kc.poison(want, lengths + taken))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))  # one program (eager: an op at a time)
+def _written(fmt, buf, x, lengths, valid):
+    """``kv_cache.write`` of x [B, 1, Hkv, D] as the KV site stores it (its RTN)."""
+    qt = None
+    if fmt in ("nvfp4", "mxfp4"):
+        qt = fp4.quantize(x, fmt, axis=-1, global_scale=kv_cache.site_global_scale(fmt))
+    return kv_cache.write(buf, kv_cache.to_storage(fmt, x, qt), lengths, valid)
 
 
 def _assert_same_bytes(got, expect):

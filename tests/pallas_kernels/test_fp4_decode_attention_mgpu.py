@@ -97,10 +97,11 @@ def test_sliding_window(window):
 def test_more_exact_than_the_triton_kernel():
     # Both kernels over one cache (same masking, splits and combine): this one keeps p in two
     # bf16 parts, so its error against the float32 reference is below the Triton kernel's,
-    # which rounds p to bf16 once (both round the output to bf16 once).
-    b, s, hkv, hq, d = 4, 128, 4, 16, 64
-    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=9)
-    lengths = jnp.array([97, 128, 1, 5], jnp.int32)
+    # which rounds p to bf16 once (both round the output to bf16 once). The inputs and
+    # program of test_matches_reference_with_poisoned_stale_slots' first case.
+    b, s, hkv, hq, d = 4, 192, 4, 16, 128
+    q, k, v = kc.attn_inputs("nvfp4", b, s, hkv, hq, d, seed=b + d)
+    lengths = jnp.array([97, 192, 1, 5], jnp.int32)
     ref = np.asarray(_reference_f32(q, k, v, lengths))
     cfg = ft.DecodeAttentionConfig(block_k=32, num_splits=2)  # p rounded alike at any block_k
     triton = np.asarray(fa.decode_attention(q, k, v, lengths, config=cfg, interpret=True))
@@ -110,6 +111,7 @@ def test_more_exact_than_the_triton_kernel():
     kc.assert_attn_close(y, ref)
 
 
+@jax.jit
 def _reference_f32(q, k, v, lengths):
     """The reference's softmax without its final bf16 rounding."""
     kf, vf = kv_cache.read(k, jnp.float32), kv_cache.read(v, jnp.float32)
@@ -277,28 +279,37 @@ def test_decode_reference_is_the_dequantized_cache(fmt):
 # ----------------------------------------------------------------------------- configs, errors
 
 
+def _abstract_inputs(fmt, b, s, hkv, hq, d):
+    """``kc.attn_inputs``' shapes, dtypes and formats, nothing computed (for the checks that
+    read no values)."""
+    return jax.eval_shape(lambda: kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1))
+
+
 def test_default_config_and_support():
     assert fm.default_config(32, 8192, 4).num_splits * 32 * 4 >= 1024
     assert fm.default_config(1, 64, 4).num_splits == 1
-    _, k, v = kc.attn_inputs("nvfp4", 1, 64, 4, 8, 64, seed=1)
+    _, k, v = _abstract_inputs("nvfp4", 1, 64, 4, 8, 64)
     assert fm.supports(k, v, 8)
-    _, k2, v2 = kc.attn_inputs("nvfp4", 1, 64, 2, 8, 64, seed=1)  # 8-byte scale rows: no TMA
+    _, k2, v2 = _abstract_inputs("nvfp4", 1, 64, 2, 8, 64)  # 8-byte scale rows: no TMA
     assert not fm.supports(k2, v2, 8)
-    _, k3, v3 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 64, seed=1)  # MXFP4: D = 128 only
+    _, k3, v3 = _abstract_inputs("mxfp4", 1, 64, 4, 8, 64)  # MXFP4: D = 128 only
     assert not fm.supports(k3, v3, 8)
-    _, k4, v4 = kc.attn_inputs("mxfp4", 1, 64, 4, 8, 128, seed=1)
+    _, k4, v4 = _abstract_inputs("mxfp4", 1, 64, 4, 8, 128)
     assert fm.supports(k4, v4, 8) and not fm.supports(k4, v, 8)
 
 
 def test_bad_inputs():
-    q, k, v = kc.attn_inputs("nvfp4", 2, 64, 2, 4, 64, seed=1)
+    # refused while tracing: traced on abstract inputs (nothing compiled)
+    n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    q, k, v = _abstract_inputs("nvfp4", 2, 64, 2, 4, 64)
     with pytest.raises(ValueError, match="Hkv a multiple of 4"):
-        _run(q, k, v, jnp.array([1, 2], jnp.int32))
-    q, k, v = kc.attn_inputs("nvfp4", 2, 64, 4, 8, 64, seed=1)
+        jax.eval_shape(_run, q, k, v, n)
+    q, k, v = _abstract_inputs("nvfp4", 2, 64, 4, 8, 64)
+    q6 = jax.ShapeDtypeStruct((2, 6, 64), q.dtype)
     with pytest.raises(ValueError, match="does not fit"):
-        _run(q[:, :6], k, v, jnp.array([1, 2], jnp.int32))
+        jax.eval_shape(_run, q6, k, v, n)
     with pytest.raises(ValueError, match="window"):
-        _run(q, k, v, jnp.array([1, 2], jnp.int32), window=0)
+        jax.eval_shape(lambda *a: _run(*a, window=0), q, k, v, n)
     with pytest.raises(ValueError, match="num_splits"):
         fm.MgpuAttentionConfig(num_splits=0)
     with pytest.raises(ValueError, match="p_parts"):
@@ -315,7 +326,7 @@ def test_lowers_for_cuda(fmt, fused, options):
     # The GPU path (PTX decode, layout inference, TMA and barriers; the fused append's row
     # copies and the cache operands aliased to the kernel's outputs) lowered for CUDA here.
     b, s, hkv, hq, d = 2, 256, 4, 32, 128
-    q, k, v = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=1)
+    q, k, v = _abstract_inputs(fmt, b, s, hkv, hq, d)  # lowered, never run
     n = jnp.array([1, 200], jnp.int32)
     if fused:
         new = jnp.zeros((b, hkv, d), jnp.bfloat16)

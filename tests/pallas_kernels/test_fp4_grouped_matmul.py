@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import assert_close
+from kernel_checks import assert_close, random_x
 
 from pallas_kernels import fp4_grouped_matmul as gm
 from pallas_kernels import fp4_grouped_matmul_triton as gt
@@ -16,13 +16,18 @@ from trace_jax import fp4
 CFG = Fp4MatmulConfig(block_n=64, block_k=128, block_m=16)
 
 
+# the reference as one program per shape (eager, each of its ops compiled on its own)
+_reference = jax.jit(gm.fp4_grouped_matmul_reference)
+
+
 def _case(sizes, k, n, fmt, seed, extra_rows=0):
-    sizes = jnp.asarray(sizes, jnp.int32)
+    """Rows and expert weights drawn in numpy (no program compiled per shape)."""
+    sizes = np.asarray(sizes, np.int32)
     t = int(sizes.sum()) + extra_rows
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(kw, (len(sizes), k, n), jnp.float32) * 0.05
-    return x, fp4.quantize(w, fmt, axis=1), sizes
+    rng = np.random.default_rng(seed)
+    x = random_x(t, k, seed=seed)
+    w = rng.standard_normal((len(sizes), k, n), np.float32) * 0.05
+    return x, fp4.quantize(jnp.asarray(w), fmt, axis=1), jnp.asarray(sizes)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -37,22 +42,22 @@ def _case(sizes, k, n, fmt, seed, extra_rows=0):
 def test_matches_ragged_dot(fmt, sizes):
     x, qt, gs = _case(sizes, 256, 128, fmt, seed=sum(sizes))
     y = gt.fp4_grouped_matmul_triton(x, qt, gs, config=CFG, interpret=True)
-    assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
+    assert_close(y, _reference(x, qt, gs))
 
 
 def test_rows_past_the_groups_are_zero():
     x, qt, gs = _case([3, 4], 128, 64, "nvfp4", seed=3, extra_rows=5)
     y = np.asarray(gt.fp4_grouped_matmul_triton(x, qt, gs, config=CFG, interpret=True), np.float32)
     assert np.all(y[7:] == 0)
-    assert_close(y[:7], gm.fp4_grouped_matmul_reference(x, qt, gs)[:7])
+    assert_close(y[:7], _reference(x, qt, gs)[:7])
 
 
 def test_each_expert_uses_its_own_weights():
     # identical rows routed to two experts must differ by exactly those experts' weights
     k, n = 128, 64
-    x = jnp.tile(jax.random.normal(jax.random.key(0), (1, k)).astype(jnp.bfloat16), (2, 1))
-    w = jax.random.normal(jax.random.key(1), (2, k, n), jnp.float32)
-    qt = fp4.quantize(w, "nvfp4", axis=1)
+    x = jnp.asarray(np.tile(np.asarray(random_x(1, k, seed=0)), (2, 1)))
+    w = np.random.default_rng(1).standard_normal((2, k, n), np.float32)
+    qt = fp4.quantize(jnp.asarray(w), "nvfp4", axis=1)
     y = np.asarray(
         gt.fp4_grouped_matmul_triton(
             x, qt, jnp.array([1, 1], jnp.int32), config=CFG, interpret=True
@@ -83,6 +88,4 @@ def test_gpu_benchmark_shapes(k, n, tokens):
     x = jax.random.normal(jax.random.key(tokens), (tokens * top_k, k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(k), (experts, k, n), jnp.float32) * 0.02
     qt = layouts.prepack_grouped(fp4.quantize(w, "nvfp4", axis=1))
-    assert_close(
-        gt.fp4_grouped_matmul_triton(x, qt, gs), gm.fp4_grouped_matmul_reference(x, qt, gs)
-    )
+    assert_close(gt.fp4_grouped_matmul_triton(x, qt, gs), _reference(x, qt, gs))

@@ -4,7 +4,9 @@ compiled kernel at the benchmark shapes on a GPU."""
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from kernel_checks import assert_close, random_x
@@ -16,6 +18,10 @@ from pallas_kernels import layouts
 from trace_jax import fp4
 
 FORMATS = ("nvfp4", "mxfp4")
+# the references as one program per shape (eager, each of their ops compiled on its own)
+_reference = jax.jit(fm.fp4_matmul_reference)
+_w4a4_reference = jax.jit(fm.fp4_matmul_w4a4_reference)
+_decode_words = jax.jit(fmv.decode_reference, static_argnums=(2, 3))
 
 
 @functools.cache  # one quantization per shape and format: the interpret tests share weights
@@ -55,7 +61,7 @@ def test_matches_reference(fmt, m, k, n, cfg):
     qt = _weights(k, n, fmt)
     x = random_x(m, k, seed=m * 7 + n)
     y = fm.fp4_matmul(x, qt, config=cfg, interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
 
 
 @pytest.mark.parametrize("mode", ["before", "kernel"])
@@ -63,14 +69,15 @@ def test_matches_reference(fmt, m, k, n, cfg):
 def test_w4a4_matches_reference(fmt, mode):
     m, k, n = 7, 256, 64
     qt = _weights(k, n, fmt)
-    x = random_x(m, k, seed=4) * 3  # rows of different magnitude get different global scales
-    x = x.at[2].multiply(50)
+    x = np.asarray(random_x(m, k, seed=4), np.float32) * 3  # rows of different magnitude get
+    x[2] *= 50  # different global scales
+    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = fm.fp4_matmul_w4a4(x, qt, config=cfg, interpret=True, activation_dequant=mode)
-    ref = fm.fp4_matmul_w4a4_reference(x, qt)
+    ref = _w4a4_reference(x, qt)
     assert_close(y, ref)
     # and it is not the W4A16 result: the activation really was quantized
-    w4a16 = np.asarray(fm.fp4_matmul_reference(x, qt), np.float32)
+    w4a16 = np.asarray(_reference(x, qt), np.float32)
     assert np.linalg.norm(np.asarray(y, np.float32) - w4a16) / np.linalg.norm(w4a16) > 1e-2
 
 
@@ -78,7 +85,7 @@ def test_nan_block_scale_poisons_its_column_mxfp4():
     # an E8M0 NaN scale (0xFF) dequantizes its block to NaN: that output column must be NaN
     qt = _weights(128, 64, "mxfp4")
     qt = dataclasses.replace(qt, block_scales=qt.block_scales.at[9, 2].set(0xFF))
-    ref = np.asarray(fm.fp4_matmul_reference(random_x(3, 128, 6), qt), np.float32)
+    ref = np.asarray(_reference(random_x(3, 128, 6), qt), np.float32)
     assert np.all(np.isnan(ref[:, 9]))
     cfg = ft.Fp4MatmulConfig(block_n=64, block_k=128)
     y = np.asarray(fm.fp4_matmul(random_x(3, 128, 6), qt, config=cfg, interpret=True), np.float32)
@@ -129,7 +136,7 @@ def test_dispatcher_xla_path_and_leading_axes():
     x = random_x(6, 256, 3).reshape(2, 3, 256)
     y = fm.fp4_linear(x, qt, backend="auto")  # no GPU here: the XLA path
     assert y.shape == (2, 3, 64)
-    assert_close(y.reshape(6, 64), fm.fp4_matmul_reference(x.reshape(6, 256), qt))
+    assert_close(y.reshape(6, 64), _reference(x.reshape(6, 256), qt))
     with pytest.raises(ValueError, match="backend"):
         fm.fp4_linear(x, qt, backend="cuda")
 
@@ -147,19 +154,20 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     w = layouts.prepack(qt)
     words = layouts.pack_gemv_words(w.codes, spec, block_k)
     assert words.shape == (n, k // 8) and words.dtype == jnp.uint32
-    got = fmv.decode_reference(words, w.scales, spec, block_k)
-    g = qt.global_scale if spec.scale_format == "e4m3" else 1.0
+    got = np.asarray(_decode_words(words, w.scales, spec, block_k))
+    g = np.asarray(qt.global_scale) if spec.scale_format == "e4m3" else 1.0
     expected = np.asarray(fp4.dequantize(qt, jnp.float32)).T
-    np.testing.assert_array_equal(np.asarray(got * g), expected)
-    codes = np.asarray(fp4.unpacked_codes(qt)).ravel()
-    assert set(np.unique(codes)) >= set(range(16)) - {8}
+    np.testing.assert_array_equal(got * g, expected)
+    stored = np.asarray(qt.codes)  # two codes a byte
+    assert set(np.unique(np.stack([stored & 15, stored >> 4]))) >= set(range(16)) - {8}
     # the row-tiled layout is the same words, each (8-row tile, step) made contiguous
     tiled = layouts.with_gemv_layout(w, block_k, block_n=8)
-    back = tiled.gemv_words.reshape(n // 8, k // block_k, 8, block_k // 8).transpose(0, 2, 1, 3)
-    np.testing.assert_array_equal(np.asarray(back).reshape(n, k // 8), np.asarray(words))
+    back = np.asarray(tiled.gemv_words).reshape(n // 8, k // block_k, 8, block_k // 8)
+    back = back.transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(back.reshape(n, k // 8), np.asarray(words))
     nb = block_k // spec.block_size
-    sback = tiled.gemv_scales.reshape(n // 8, k // block_k, 8, nb).transpose(0, 2, 1, 3)
-    np.testing.assert_array_equal(np.asarray(sback).reshape(n, -1), np.asarray(w.scales))
+    sback = np.asarray(tiled.gemv_scales).reshape(n // 8, k // block_k, 8, nb).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(sback.reshape(n, -1), np.asarray(w.scales))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -181,7 +189,7 @@ def test_gemv_matches_reference(fmt, cfg, layout_n):
         w = layouts.with_gemv_layout(w, cfg.block_k, layout_n)
     x = random_x(1, k, seed=13)
     y = fm.fp4_matmul(x, w, config=cfg, interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
 
 
 def test_gemv_nan_propagates():
@@ -218,7 +226,7 @@ def test_gemv_layout_mismatch_and_config_rejected():
 def test_gpu_benchmark_shapes(fmt, k, n, m):
     qt = layouts.prepack(_weights(k, n, fmt, seed=k + m, scale=0.02))
     x = random_x(m, k, seed=m)
-    assert_close(fm.fp4_matmul(x, qt), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, qt), _reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -229,7 +237,7 @@ def test_gpu_w4a4(mode, m):
     qt = layouts.prepack(_weights(k, n, "nvfp4", seed=m, scale=0.02))
     x = random_x(m, k, seed=m + 1)
     y = fm.fp4_matmul_w4a4(x, qt, activation_dequant=mode)
-    assert_close(y, fm.fp4_matmul_w4a4_reference(x, qt))
+    assert_close(y, _w4a4_reference(x, qt))
 
 
 @pytest.mark.gpu

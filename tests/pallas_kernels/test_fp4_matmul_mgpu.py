@@ -24,7 +24,11 @@ def _weights(k, n, seed=1, scale=0.05, global_scale="tensor"):
     return fp4.quantize(jnp.asarray(w), "nvfp4", axis=0, global_scale=global_scale)
 
 
+_SHORT = fmm.MgpuMatmulConfig(block_k=256, stages=4)  # one step at K = 256
 _PACKED = {}
+# the references as one program per shape (eager, each of their ops compiled on its own)
+_reference = jax.jit(fm.fp4_matmul_reference)
+_grouped_reference = jax.jit(gm.fp4_grouped_matmul_reference)
 
 
 def _packed(qt):
@@ -56,12 +60,13 @@ def test_identity_rows_recover_dequantize_exactly():
     [
         (1, 256, 64, fmm.MgpuMatmulConfig(block_k=64, stages=3)),  # pipeline wraps around
         (5, 512, 128, fmm.MgpuMatmulConfig(block_k=128, stages=2, split_k=2)),
-        (16, 256, 64, fmm.MgpuMatmulConfig(block_k=256, stages=4)),  # stages > steps
+        (16, 256, 64, _SHORT),  # stages > steps
         (24, 384, 192, None),
         # two warpgroups share each activation buffer; the refill waits for both
         (24, 256, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
-        # the default there (two warpgroups, 128-element steps) with an odd step count
-        (24, 384, 256, None),
+        # two warpgroups, 128-element steps, an odd step count (the default there until 17-128
+        # rows took one warpgroup; the one-warpgroup default: the case above it)
+        (24, 384, 256, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         # the warpgroups split K (own buffers; the parts added in shared memory)
         (
             1,
@@ -77,7 +82,7 @@ def test_matches_reference(m, k, n, cfg):
     x = random_x(m, k, seed=n)
     y = fmm.fp4_matmul_mgpu(x, _packed(qt), cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.bfloat16
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -86,17 +91,17 @@ def test_mxfp4_matches_reference(grouped):
     # a NaN scale poisoning its output column
     k, n = 256, 128
     if grouped:
-        w = jax.random.normal(jax.random.key(7), (3, k, n), jnp.float32) * 0.05
-        qt = fp4.quantize(w, "mxfp4", axis=1)
+        w = np.random.default_rng(7).standard_normal((3, k, n), np.float32) * 0.05
+        qt = fp4.quantize(jnp.asarray(w), "mxfp4", axis=1)
         x, gs = random_x(13, k, seed=8), jnp.asarray([6, 0, 7], jnp.int32)
         y = fmm.fp4_grouped_matmul_mgpu(x, _packed(qt), gs, interpret=True)
-        assert_close(y, gm.fp4_grouped_matmul_reference(x, qt, gs))
+        assert_close(y, _grouped_reference(x, qt, gs))
         return
-    w = jax.random.normal(jax.random.key(7), (k, n), jnp.float32) * 0.05
-    qt = fp4.quantize(w, "mxfp4", axis=0)
+    w = np.random.default_rng(7).standard_normal((k, n), np.float32) * 0.05
+    qt = fp4.quantize(jnp.asarray(w), "mxfp4", axis=0)
     x = random_x(5, k, seed=8)
     y = fmm.fp4_matmul_mgpu(x, _packed(qt), interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
     eye = jnp.eye(k, dtype=jnp.bfloat16)
     y = fmm.fp4_matmul_mgpu(eye, _packed(qt), interpret=True)
     expected = np.asarray(fp4.dequantize(qt, jnp.bfloat16), np.float32)
@@ -145,11 +150,16 @@ def test_token_scale_in_the_kernel_equals_scaling_the_sums(cfg):
 
 
 def test_per_row_global_scale():
-    k, n = 128, 64
+    # the shapes and config of test_matches_reference's first case: the same kernel program
+    # (the output scale is a per-row operand either way), other weights
+    k, n = 256, 64
     qt = _weights(k, n, global_scale="row")
-    x = random_x(3, k, seed=4)
-    y = fmm.fp4_matmul_mgpu(x, _packed(qt), interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert qt.global_scale.shape == (n, 1)
+    x = random_x(1, k, seed=4)
+    y = fmm.fp4_matmul_mgpu(
+        x, _packed(qt), fmm.MgpuMatmulConfig(block_k=64, stages=3), interpret=True
+    )
+    assert_close(y, _reference(x, qt))
 
 
 def test_prepack_layout_is_the_operand_layout():
@@ -208,9 +218,9 @@ def test_gpu_identity_rows_exact(fmt):
 def test_gpu_benchmark_shapes(k, n, m):
     qt = _weights(k, n, seed=k + m, scale=0.02)
     x = random_x(m, k, seed=m)
-    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), _reference(x, qt))
     # the dispatcher's route for a prepacked weight (default config, the same kernel)
-    assert_close(fm.fp4_matmul(x, layouts.prepack(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, layouts.prepack(qt)), _reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -221,7 +231,7 @@ def test_gpu_token_major_rows_not_multiples_of_8(m):
     k, n = 2048, 512
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 2)
-    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), _reference(x, qt))
 
 
 @pytest.mark.gpu
@@ -245,7 +255,7 @@ def test_gpu_register_operand_not_overwritten(m, cfg):
     k, n = 8192, 28672
     qt = _weights(k, n, seed=m, scale=0.02)
     x = random_x(m, k, seed=m + 1)
-    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt), cfg), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt), cfg), _reference(x, qt))
 
 
 def test_fp4_matmul_dispatch():
@@ -257,7 +267,7 @@ def test_fp4_matmul_dispatch():
     assert w.mgpu is not None and w.gemv_words is None
     x = random_x(4, k, seed=11)
     cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
-    assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), fm.fp4_matmul_reference(x, qt))
+    assert_close(fm.fp4_matmul(x, w, config=cfg, interpret=True), _reference(x, qt))
     assert layouts.prepack(fp4.quantize(jnp.ones((256, 64)), "mxfp4", axis=0)).mgpu is not None
     assert layouts.prepack(_weights(256, 32)).mgpu is None  # N not a multiple of 64
     with pytest.raises(ValueError, match="needs prepack"):
@@ -267,6 +277,7 @@ def test_fp4_matmul_dispatch():
 # ----------------------------------------------------------------------------- grouped (MoE)
 
 
+@functools.cache
 @functools.cache
 def _experts(e, k, n, seed=1, scale=0.05):
     w = np.random.default_rng(seed).standard_normal((e, k, n), np.float32) * scale
@@ -309,7 +320,7 @@ def test_grouped_matches_reference(sizes, t, k, cfg, interpret):
     x = random_x(t, k, seed=t + 1)
     gs = jnp.asarray(sizes, jnp.int32)
     y = fmm.fp4_grouped_matmul_mgpu(x, _packed(qt), gs, cfg, interpret=interpret)
-    ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
+    ref = _grouped_reference(x, qt, gs)
     total = sum(sizes)
     assert y.shape == (t, n) and np.all(np.asarray(y, np.float32)[total:] == 0)
     assert_close(y[:total], ref[:total])
@@ -413,7 +424,7 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     gs = jnp.asarray(np.bincount(picks.ravel(), minlength=e), jnp.int32)
     x = random_x(tokens * top, k, seed=k)
     w = layouts.prepack_grouped(qt, mgpu=True)
-    ref = gm.fp4_grouped_matmul_reference(x, qt, gs)
+    ref = _grouped_reference(x, qt, gs)
     assert_close(fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs), ref)
     assert_close(gm.fp4_grouped_linear(x, w, gs), ref)  # the model's route on a GPU
     # the default: the plan in a Triton kernel, x read past its end, unrouted rows zeroed in
@@ -426,7 +437,7 @@ def test_gpu_grouped_benchmark_shapes(k, n, tokens):
     y = fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, part, lean)
     routed = int(part.sum())
     assert not np.any(np.asarray(y[routed:], np.float32))
-    assert_close(y[:routed], gm.fp4_grouped_matmul_reference(x, qt, part)[:routed])
+    assert_close(y[:routed], _grouped_reference(x, qt, part)[:routed])
     # two groups of tiles one after another per program
     assert_close(
         fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, gs, dataclasses.replace(lean, tiles=2)), ref
@@ -439,7 +450,7 @@ def test_gpu_mxfp4_benchmark_shapes(k, n):
     w = jax.random.normal(jax.random.key(k), (k, n), jnp.float32) * 0.02
     qt = fp4.quantize(w, "mxfp4", axis=0)
     x = random_x(16, k, seed=3)
-    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), fm.fp4_matmul_reference(x, qt))
+    assert_close(fmm.fp4_matmul_mgpu(x, _packed(qt)), _reference(x, qt))
 
 
 @pytest.mark.parametrize(
@@ -458,7 +469,7 @@ def test_one_row_default_config_runs():
     qt = _weights(k, n)
     x = random_x(1, k, seed=22)
     y = fmm.fp4_matmul_mgpu(x, _packed(qt), cfg, interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
     assert fmm.default_config(1, 512, 64).warpgroups == 1  # N not whole 128-row tiles
 
 
@@ -479,24 +490,30 @@ def test_decode_default_splits_k_on_warpgroups():
     qt = _weights(k, n)
     x = random_x(m, k, seed=26)
     y = fmm.fp4_matmul_mgpu(x, _packed(qt), interpret=True)
-    assert_close(y, fm.fp4_matmul_reference(x, qt))
+    assert_close(y, _reference(x, qt))
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "warpgroups"), [(40, 128, 1), (40, 64, 1), (200, 64, 1), (200, 128, 2)]
+    ("m", "n", "warpgroups", "run"),
+    # (40, 64)'s default (one 256-element step) is test_matches_reference's 16-row case's
+    # config: run there
+    [(40, 128, 1, True), (40, 64, 1, False), (200, 64, 1, True), (200, 128, 2, True)],
 )
-def test_tall_default_configs_run(m, n, warpgroups):
+def test_tall_default_configs_run(m, n, warpgroups, run):
     # 17-256 rows: two warpgroups where N has whole 128-row tiles, except for up to 128 rows
     # where that leaves fewer programs than SMs; the default fits shared memory
     k = 256
     cfg = fmm.default_config(m, k, n)
     assert cfg.warpgroups == warpgroups
     assert fmm._smem_bytes(cfg, cfg.stages, fmm._round_up(m, 8)) <= fmm._SMEM_LIMIT
+    if not run:
+        assert cfg == _SHORT
+        return
     qt = _weights(k, n)
     x = random_x(m, k, seed=24)
     assert_close(
         fmm.fp4_matmul_mgpu(x, _packed(qt), interpret=True),
-        fm.fp4_matmul_reference(x, qt),
+        _reference(x, qt),
     )
 
 
