@@ -10,6 +10,9 @@ from trace_jax.model import ModelConfig
 from trace_jax.rollout import RolloutEngine
 
 TINY = ["--preset", "tiny", "--layers", "1", "--batches", "2", "--prompt", "4", "--window", "2"]
+# The FP4 engine of the window runs, the profile and the row that does not fit: their decode
+# programs over a generation of 8 (4 + 8 slots, windows of 2) are one.
+ENGINE = "w4a4-xla"
 
 
 def test_arguments_and_their_one_line_errors(capsys):
@@ -45,7 +48,7 @@ def test_floor_matches_the_issues_count():
 
 
 def test_window_and_full_runs(capsys):
-    (res,) = rollout.main([*TINY, "--engines", "w4a16-xla", "--gens", "8", "--repeats", "1"])
+    (res,) = rollout.main([*TINY, "--engines", ENGINE, "--gens", "8", "--repeats", "1"])
     (row,) = res["rows"]
     assert row["batch"] == 2 and row["gen"] == 8 and len(row["step_ms"]) == 3
     assert row["tokens_per_s"] > 0 and 0 < row["of_floor"] and row["floor_bytes"] > 0
@@ -54,13 +57,13 @@ def test_window_and_full_runs(capsys):
     (row,) = res["rows"]
     assert row["mode"] == "full" and len(row["step_ms"]) == 1 and row["tokens_per_s"] > 0
     out = capsys.readouterr().out
-    assert "w4a16-xla        2      8" in out and "bf16             2      4" in out
+    assert "w4a4-xla         2      8" in out and "bf16             2      4" in out
     assert "floor bytes per decode step" in out
 
 
 @pytest.mark.slow
 def test_profile_reaches_every_stand_in():
-    args = [*TINY, "--engines", "w4a4-xla", "--gens", "8", "--repeats", "1", "--profile"]
+    args = [*TINY, "--engines", ENGINE, "--gens", "8", "--repeats", "1", "--profile"]
     (res,) = rollout.main(args)
     parts = [p["part"] for p in res["profile"]]
     assert parts == ["step", *rollout.PARTS, "rest"]
@@ -70,8 +73,8 @@ def test_profile_reaches_every_stand_in():
 def test_what_does_not_fit_is_a_row_of_its_own(monkeypatch):
     # a device that holds the weights and the state of a 4 + 8 slot cache, not of 4 + 16: the
     # one program for both generations does not fit, one per generation does for 8 tokens
-    args = rollout.parse_args([*TINY, "--engines", "bf16", "--gens", "8,16"])
-    spec = rollout.ENGINES["bf16"]
+    args = rollout.parse_args([*TINY, "--engines", ENGINE, "--gens", "8,16"])
+    spec = rollout.ENGINES[ENGINE]
     model = rollout.build_model(rollout.model_config(args), spec, "triton", 0)
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     eng = RolloutEngine(model, spec.policy, spec.rollout(4 + 8, 2, "triton"))
@@ -79,7 +82,7 @@ def test_what_does_not_fit_is_a_row_of_its_own(monkeypatch):
     state = sum(x.size * x.dtype.itemsize for x in shapes)
     memory = dict(peak_bytes_in_use=None, bytes_in_use=None, bytes_limit=weights + state)
     monkeypatch.setattr(rollout, "_memory", lambda: memory)
-    (res,) = rollout.main([*TINY, "--engines", "bf16", "--gens", "8,16", "--repeats", "1"])
+    (res,) = rollout.main([*TINY, "--engines", ENGINE, "--gens", "8,16", "--repeats", "1"])
     fits, too_big = res["rows"]
     assert fits["gen"] == 8 and fits["tokens_per_s"] > 0
     assert too_big["gen"] == 16 and too_big["error"].startswith("does not fit")

@@ -63,19 +63,18 @@ def models():
 
 @pytest.fixture(scope="module")
 def engines(models):
-    """backend -> sampling -> engine (one compile each; weights swapped by update_params)."""
-    samplings = {"sampled": SamplingConfig(), "greedy": SamplingConfig(temperature=0.0)}
+    """backend -> sampling -> engine (one compile per backend: greedy is the runtime flag, on
+    the sampling engine's programs; weights swapped by update_params)."""
     return {
         backend: {
             name: RolloutEngine(
                 models["pow2"],
                 POLICY,
                 # the MoE kernel only: the attention kernel sums in another order (tested below)
-                RolloutConfig(
-                    max_len=16, max_new_tokens=NEW, sampling=s, backend=backend, kernels=("moe",)
-                ),
+                RolloutConfig(max_len=16, max_new_tokens=NEW, backend=backend, kernels=("moe",)),
+                greedy=name == "greedy",
             )
-            for name, s in samplings.items()
+            for name in ("sampled", "greedy")
         }
         for backend in ("xla", "pallas")
     }
@@ -173,93 +172,97 @@ def test_training_forward_is_unaffected(engines, models):
     np.testing.assert_array_equal(np.asarray(forward(after_state)), np.asarray(before))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kv, tol", [("bf16", 3e-3), ("nvfp4", 2.5e-2)])
-def test_decode_with_both_kernels_equals_a_full_forward(models, kv, tol, monkeypatch):
-    """backend="pallas" with the decode-attention (fused K/V append) and MoE kernels: every
-    decoded token's log-prob equals a full forward's over the same sequence (the reference
-    path) within the bound that holds for the XLA engine too (measured: max 1.4e-3 bf16 KV,
-    1.4e-2 NVFP4; the bf16 forward with FP4 activation sites amplifies one-ulp differences)."""
-    policy = QuantPolicy.bf16() if kv == "bf16" else QuantPolicy.rollout(kv)
-    forward_policy = QuantPolicy.bf16() if kv == "bf16" else QuantPolicy.qat(kv)
-    model = models["generic"]
-    calls = []
-    kernel = fp4_decode_attention.decode_attention_append
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that records the stored K of each call (its second
+    argument); the calls are made while a decode step is traced."""
+    calls, fn = [], getattr(module, name)
 
-    def counted(*args, **kw):  # runs at trace time: the decode step uses the fused kernel
+    def counted(*args, **kw):
         calls.append(args[1])
-        return kernel(*args, **kw)
+        return fn(*args, **kw)
 
-    monkeypatch.setattr(fp4_decode_attention, "decode_attention_append", counted)
-    retrace_engines()  # counted at trace time: no program of an engine built alike
-    eng = RolloutEngine(
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _greedy_pallas_engine(model, policy, kv, max_len, new, kernels=("moe", "attention")):
+    return RolloutEngine(
         model,
         policy,
         RolloutConfig(
-            max_len=16,
-            max_new_tokens=NEW,
+            max_len=max_len,
+            max_new_tokens=new,
             kv_cache=kv,
             backend="pallas",
+            kernels=kernels,
             sampling=SamplingConfig(temperature=0.0),
         ),
     )
-    state = eng.generate(PROMPTS, jax.random.key(0))
-    mask = jnp.arange(16)[None] < state.lengths[:, None]
-    logits = model(state.tokens, attention_mask=mask, policy=forward_policy).logits
+
+
+def _assert_matches_a_full_forward(model, state, policy, new: int, tol: float):
+    """Every decoded token's log-prob is a full forward's over the same sequence (``policy``:
+    the reference path), within ``tol``."""
+    mask = jnp.arange(state.tokens.shape[1])[None] < state.lengths[:, None]
+    logits = model(state.tokens, attention_mask=mask, policy=policy).logits
     ref = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
     ref = jnp.take_along_axis(ref, state.tokens[:, 1:, None], -1)[..., 0]
     gen = np.asarray(state.generated)[:, 1:]
     diff = np.abs(np.asarray(ref) - np.asarray(state.logprobs)[:, 1:])[gen]
-    assert gen.sum() == NEW * len(PROMPTS) and diff.max() < tol, diff.max()
+    assert gen.sum() == new * len(PROMPTS) and diff.max() < tol, diff.max()
+
+
+@pytest.mark.slow
+def test_decode_with_both_kernels_equals_a_full_forward(models, monkeypatch):
+    """backend="pallas" with the decode-attention (fused K/V append) and MoE kernels over a
+    bf16 cache: every decoded token's log-prob equals a full forward's over the same sequence
+    (the reference path) within the bound that holds for the XLA engine too (measured: max
+    1.4e-3). An NVFP4 cache: test_tensor_core_attention_decodes_as_the_triton_kernel."""
+    calls = _count_calls(monkeypatch, fp4_decode_attention, "decode_attention_append")
+    retrace_engines()  # counted at trace time: no program of an engine built alike
+    model = models["generic"]
+    eng = _greedy_pallas_engine(model, QuantPolicy.bf16(), "bf16", 16, NEW)
+    state = eng.generate(PROMPTS, jax.random.key(0))
+    _assert_matches_a_full_forward(model, state, QuantPolicy.bf16(), NEW, 3e-3)
     assert len(calls) == CFG.num_layers  # one traced decode step, every layer
-    stored = fp4.QTensor if kv != "bf16" else jax.Array
-    assert all(isinstance(k, stored) for k in calls)
+    assert all(isinstance(k, jax.Array) for k in calls)
 
 
 @pytest.mark.slow
 def test_tensor_core_attention_decodes_as_the_triton_kernel(monkeypatch):
-    """kernels=("attention_tc",) over an NVFP4 cache (4 KV heads of 64 dims, 64 slots:
-    shapes the tensor-core kernel takes): the decode steps attend (and append K/V) with the
-    Mosaic GPU kernel (its interpreter here) and generate what the engine with
-    the Triton decode-attention kernel generates, log-probs within 1e-2 (measured 5.5e-3: the
-    kernels differ in the precision of p and the order of the sums; against a full forward both
-    engines differ by up to 1.1e-2 on this model, the XLA engine by 1.0e-2)."""
+    """An NVFP4 cache of 4 KV heads of 64 dims and 64 slots (shapes the tensor-core kernel
+    takes; the MoE layers in XLA). kernels=("attention",): the decode steps attend with the
+    Triton decode-attention kernel (the K/V append fused into its launch), every decoded token's
+    log-prob a full forward's over the same sequence within the bound that holds for the XLA
+    engine too (2.5e-2; measured 1.1e-2, the XLA engine 1.0e-2; the bf16 forward with
+    FP4 activation sites amplifies one-ulp differences). kernels=("attention_tc",): they attend
+    (and append K/V) with the Mosaic GPU kernel (its interpreter here) and generate what the
+    Triton kernel's engine generates, log-probs within 1e-2 (measured 5.5e-3: the kernels
+    differ in the precision of p and the order of the sums). The MoE kernel with an NVFP4
+    policy: the engines fixture's tests; with the attention kernel: the bf16 cache's test."""
     from pallas_kernels import fp4_decode_attention_mgpu as tc
 
-    calls = []
-    kernel = tc.attend
-
-    def counted(*args, **kw):  # runs when the decode step is traced
-        calls.append(args[1])
-        return kernel(*args, **kw)
-
-    monkeypatch.setattr(tc, "attend", counted)
+    calls = _count_calls(monkeypatch, fp4_decode_attention, "decode_attention_append")
+    tc_calls = _count_calls(monkeypatch, tc, "attend")
     retrace_engines()  # counted at trace time: no program of an engine built alike
     cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, head_dim=64)
     model = Transformer(cfg, nnx.Rngs(1))
+    policy = QuantPolicy.rollout("nvfp4")
     states = {}
-    for kernels in (("attention",), ("attention_tc",)):  # MoE layers in XLA: not compared
-        eng = RolloutEngine(
-            model,
-            QuantPolicy.rollout("nvfp4"),
-            RolloutConfig(
-                max_len=64,
-                max_new_tokens=3,
-                kv_cache="nvfp4",
-                backend="pallas",
-                kernels=kernels,
-                sampling=SamplingConfig(temperature=0.0),
-            ),
-        )
+    for kernels in (("attention",), ("attention_tc",)):
+        eng = _greedy_pallas_engine(model, policy, "nvfp4", 64, 3, kernels)
         states[kernels[0]] = eng.generate(PROMPTS, jax.random.key(0))
+        if kernels == ("attention",):
+            assert len(calls) == cfg.num_layers and not tc_calls  # one traced step, every layer
+            assert all(isinstance(k, fp4.QTensor) for k in calls)
     triton, tensor_cores = states["attention"], states["attention_tc"]
+    _assert_matches_a_full_forward(model, triton, QuantPolicy.qat("nvfp4"), 3, 2.5e-2)
     gen = np.asarray(triton.generated)
-    assert gen.sum() == 3 * len(PROMPTS)
     np.testing.assert_array_equal(np.asarray(tensor_cores.tokens), np.asarray(triton.tokens))
     diff = np.abs(np.asarray(tensor_cores.logprobs) - np.asarray(triton.logprobs))[gen]
     assert diff.max() < 1e-2, diff.max()
     # traced once: the layers' calls share one trace of the jitted append + attention
-    assert calls and all(isinstance(k, fp4.QTensor) for k in calls)
+    assert tc_calls and all(isinstance(k, fp4.QTensor) for k in tc_calls)
 
 
 @pytest.mark.gpu

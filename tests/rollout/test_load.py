@@ -19,7 +19,7 @@ from trace_jax.model.hf import save_hf_checkpoint
 from trace_jax.rollout import RolloutConfig, RolloutEngine, load
 from trace_jax.rollout.engine import prepack_expert_weights, quantize_expert_weights
 
-# 2 layers: building the rollout form runs eagerly, layer by layer
+# 2 layers: building the rollout form runs eagerly, layer by layer (the engine test excepted)
 CFG = ModelConfig.preset("tiny").replace(num_layers=2)
 POLICY = QuantPolicy.rollout("nvfp4")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
@@ -79,13 +79,15 @@ def test_sharded_checkpoint_loads_straight_into_the_rollout_form(model, tmp_path
     assert_bit_equal(built, built_then_packed(model, ROLLOUT[backend]))
 
 
-def test_engine_generates_the_same_tokens_and_logprobs(model):
-    # one engine (one compiled program), given the BF16 model, then the layer-by-layer one
+def test_engine_generates_the_same_tokens_and_logprobs():
+    # one engine (one compiled program), given the BF16 model, then the layer-by-layer one; of
+    # the tiny preset's 4 layers: tests/rollout/test_engine.py's rollout engine, its programs
+    cfg = ModelConfig.preset("tiny")
     rollout = ROLLOUT["xla"]
-    engine = RolloutEngine(model, POLICY, rollout)
+    engine = RolloutEngine(Transformer(cfg, nnx.Rngs(0)), POLICY, rollout)
     key = jax.random.key(3)
     want = engine.generate(PROMPTS, key)
-    built = load.init_rollout_model(CFG, POLICY, rollout, seed=0)
+    built = load.init_rollout_model(cfg, POLICY, rollout, seed=0)
     engine.update_params(built)
     # packed experts pass through update_params as they are: the same device buffers (the
     # engine commits them to their device, which copies nothing)
