@@ -1,6 +1,8 @@
-"""One of the processes of a local multi-process job (``test_distributed.py`` starts them with
-the environment the entry point reads): join through ``init_distributed``, give this process's
-slice of a global batch, and reduce over the global (data=2) mesh."""
+"""In each process of a local multi-process job joined through the entry point's
+``init_distributed`` (``tests/rl/sharded_step_check.py``, run by ``test_multiprocess.py``, starts
+them with the environment the entry point reads): give this process's slice of a global batch,
+reduce over the global (data=2) mesh, and have the RL loop refuse what does not split over the
+processes."""
 
 import tempfile
 
@@ -8,14 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.runner import init_distributed
 from trace_jax.config import ConfigError
 from trace_jax.model.sharding import batch_sharding, make_mesh
 from trace_jax.rl.loop import RLConfig, RLRun
 
 
-def main():
-    assert init_distributed()
+def check_global_batch():
     mesh = make_mesh(data=jax.process_count())  # one CPU device per process
     rows = 4  # the global batch [8, 3]: rows 4p..4p+3 are process p's
     index = jax.process_index()
@@ -30,7 +30,3 @@ def main():
             RLRun(cfg, tempfile.mkdtemp())
         except ConfigError as e:
             print("RL loop refused:", e)
-
-
-if __name__ == "__main__":
-    main()

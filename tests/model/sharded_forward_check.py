@@ -1,8 +1,9 @@
-"""Run with 8 fake CPU devices: the forward on a (data=2, fsdp=2, expert=2) mesh equals the
-single-device one.
+"""With 8 fake CPU devices: the forward on a (data=2, fsdp=2, expert=2) mesh equals the
+single-device one, per layer and with its layers scanned.
 
-Executed by ``test_sharding.py`` in a fresh process, because the device count is fixed when JAX
-starts (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+Run by ``tests/rl/sharded_step_check.py`` (``test_multiprocess.py``) in the process of its other
+8-device checks, because the device count is fixed when JAX starts
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 """
 
 import jax
@@ -14,9 +15,10 @@ from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
 
 
-def main():
+def check_forward():
     assert jax.device_count() == 8, jax.devices()
-    cfg = ModelConfig.preset("tiny")
+    # two alike layers: the scanned forward runs them as one scan (the shapes of the RL step's)
+    cfg = ModelConfig.preset("tiny").replace(num_layers=2)
     tokens = jax.random.randint(jax.random.key(0), (4, 16), 0, cfg.vocab_size)
 
     @nnx.jit
@@ -55,7 +57,3 @@ def main():
     np.testing.assert_array_equal(np.asarray(routes), np.asarray(want_routes))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
     print("sharded forward OK", float(jnp.abs(logits - want_logits).max()))
-
-
-if __name__ == "__main__":
-    main()

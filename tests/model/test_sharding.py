@@ -1,12 +1,7 @@
-"""FSDP placement rules; the forward on a (data=2, fsdp=2, expert=2) mesh of 8 fake CPU devices
-equals one device's."""
+"""FSDP placement rules (the forward on a (data=2, fsdp=2, expert=2) mesh of 8 fake CPU devices
+equals one device's: ``sharded_forward_check.py``, run by tests/rl/test_multiprocess.py in the
+process of its other 8-device checks)."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-from cpu_jobs import cpu_env
 from jax.sharding import PartitionSpec
 
 from trace_jax.model.sharding import logical_to_spec, param_spec
@@ -16,17 +11,6 @@ def test_logical_axes_map_to_mesh_axes():
     assert logical_to_spec(("expert", "embed", "mlp")) == PartitionSpec("expert", None, None)
     assert logical_to_spec(("batch", None)) == PartitionSpec(("data", "fsdp"), None)
     assert logical_to_spec(None) == PartitionSpec()
-
-
-@pytest.mark.slow
-def test_sharded_forward_equals_single_device():
-    env = cpu_env(devices=8)
-    script = Path(__file__).with_name("sharded_forward_check.py")
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "sharded forward OK" in proc.stdout
 
 
 def test_fsdp_splits_the_largest_dimension_it_divides_that_no_other_axis_splits():

@@ -1,12 +1,17 @@
-"""``steps``: in one process with 8 fake CPU devices; ``loop CONFIG RUN_DIR``: on 2 devices, in
-one process or in each process of a job of two (one device each; ``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` set). Executed by ``test_multiprocess.py``.
+"""``one CONFIG RUN_DIR``: in one process with 8 fake CPU devices; ``job CONFIG RUN_DIR``: in each
+process of a job of two (one device each; ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+``JAX_PROCESS_ID`` set). Executed by ``test_multiprocess.py``; every check that needs a device
+count fixed when JAX starts runs in these three processes (one set of compiled programs each).
 
-``steps``: an RL step (SGD, so that parameters compare) on a (data=2, fsdp=2, expert=2) mesh
-equals the single-device step and leaves every parameter where it was placed, and the rollout
-engine on the mesh samples the single-device engine's tokens with its FP4 expert weights
+``one``: the forward on a (data=2, fsdp=2, expert=2) mesh equals one device's
+(``tests/model/sharded_forward_check.py``); an RL step (SGD, so that parameters compare) on that
+mesh equals the single-device step and leaves every parameter where it was placed, and the
+rollout engine on the mesh samples the single-device engine's tokens with its FP4 expert weights
 quantized where the parameters are and its KV cache split over the batch (one mesh of every axis
-at once: one compiled program for all three).
+at once: one compiled program for all three); then the ``loop`` checks on the first two devices.
+
+``job``: the processes join, reduce a global batch and have the RL loop refuse what does not
+split over them (``tests/experiments/distributed_check.py``); then the ``loop`` checks.
 
 ``loop``: host rows enter and leave the global batch (``check_batch_rows``), and the config
 (``mesh_fsdp: 2``) runs through the entry point's ``execute`` with every weight of the rollout
@@ -26,6 +31,8 @@ import optax
 from flax import nnx
 
 from experiments.runner import execute, init_distributed, resolve
+from tests.experiments.distributed_check import check_global_batch
+from tests.model.sharded_forward_check import check_forward
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.model.sharding import (
     batch_part,
@@ -56,7 +63,7 @@ def step(model, batch, mesh=None):
 
 
 def check_steps():
-    cfg = ModelConfig.preset("tiny").replace(num_layers=2)
+    cfg = ModelConfig.preset("tiny").replace(num_layers=1)
     model = Transformer(cfg, nnx.Rngs(0))
     engine = RolloutEngine(model, QuantPolicy.rollout(), ROLLOUT)
     rs = engine.generate(PROMPTS, jax.random.key(0))
@@ -141,9 +148,10 @@ def split_in_halves(name: str, tree) -> list[str]:
 
 
 def check_batch_rows():
-    """Host rows and the global batch on the (fsdp=2) and the (expert=2) mesh: each process
-    gives its part of a batch (``place_rows``), reads it back (``process_rows``) and gathers the
-    whole (``host_value``); where ``expert`` spans processes they hold the same part, all rows."""
+    """Host rows and the global batch on the (fsdp=2) and the (expert=2) mesh of the first two
+    devices: each process gives its part of a batch (``place_rows``), reads it back
+    (``process_rows``) and gathers the whole (``host_value``); where ``expert`` spans processes
+    they hold the same part, all rows."""
     whole = np.arange(12).reshape(4, 3)
     for axes, parts in ((dict(fsdp=2), jax.process_count()), (dict(expert=2), 1)):
         with jax.set_mesh(make_mesh(**axes)):
@@ -196,13 +204,15 @@ def check_loop(config: str, run_dir: str):
 
 def main():
     joined = init_distributed()
-    if sys.argv[1] == "steps":
+    if sys.argv[1] == "one":
         assert not joined and jax.device_count() == 8, jax.devices()
+        check_forward()
         check_steps()
     else:
-        assert jax.device_count() == 2, jax.devices()
-        check_batch_rows()
-        check_loop(*sys.argv[2:4])
+        assert joined and jax.process_count() == jax.device_count() == 2, jax.devices()
+        check_global_batch()
+    check_batch_rows()
+    check_loop(*sys.argv[2:4])
 
 
 if __name__ == "__main__":
