@@ -45,17 +45,22 @@ def test_identity_rows_recover_dequantize_exactly(fmt):
     assert set(np.unique(codes)) >= set(range(16)) - {8}  # every nonzero code was exercised
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+_TILINGS = [
+    (1, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=128)),
+    (5, 512, 128, ft.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
+    (16, 256, 128, ft.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
+    (40, 128, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
+    (1, 512, 64, ft.Fp4MatmulConfig(block_n=32, block_k=128, block_m=1, mma=False)),
+    (3, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, block_m=1, mma=False, split_k=2)),
+]
+
+
 @pytest.mark.parametrize(
-    ("m", "k", "n", "cfg"),
-    [
-        (1, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=128)),
-        (5, 512, 128, ft.Fp4MatmulConfig(block_n=64, block_k=128, split_k=2)),
-        (16, 256, 128, ft.Fp4MatmulConfig(block_n=32, block_k=64, x_layout="strided")),
-        (40, 128, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, prefetch=True, num_stages=1)),
-        (1, 512, 64, ft.Fp4MatmulConfig(block_n=32, block_k=128, block_m=1, mma=False)),
-        (3, 256, 64, ft.Fp4MatmulConfig(block_n=64, block_k=64, block_m=1, mma=False, split_k=2)),
-    ],
+    ("fmt", "m", "k", "n", "cfg"),
+    # every tiling in NVFP4; MXFP4 where its weights are read differently: the format enters
+    # through the weight loads and their decode (a step's scale bytes, a split's or a
+    # prefetch's step), not through the x layout (strided) or the GEMV form's reduction
+    [("nvfp4", *t) for t in _TILINGS] + [("mxfp4", *_TILINGS[i]) for i in (0, 1, 3, 5)],
 )
 def test_matches_reference(fmt, m, k, n, cfg):
     qt = _weights(k, n, fmt)
