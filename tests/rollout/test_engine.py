@@ -1,7 +1,6 @@
 """Rollout engine against full forwards: caches, sampling records, multi-turn, TRACE end to end."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +33,21 @@ def full_forward(model, state, policy, **kw):
     return model(state.tokens, attention_mask=mask, policy=policy, **kw), mask
 
 
+@nnx.jit
+def bf16_logits(model, tokens, lengths):
+    """The bf16 full forward's logits [B, S, V] over each sequence's first ``lengths`` tokens:
+    one program for the bf16 tests (eager, the forward compiles op by op: longer)."""
+    mask = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+    return model(tokens, attention_mask=mask, policy=QuantPolicy.bf16()).logits
+
+
 @pytest.mark.parametrize("kv, tol", [("bf16", 2e-3), ("fp8", 2e-2)])
 def test_bf16_and_fp8_cache_decode_matches_a_full_forward(model, kv, tol):
     eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE, kv_cache=kv))
     state = eng.generate(PROMPTS, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(state.lengths), [len(p) + 8 for p in PROMPTS])
     np.testing.assert_array_equal(np.asarray(state.generated.sum(1)), [8, 8, 8])
-    out, _ = full_forward(model, state, QuantPolicy.bf16())
-    logp = token_logprobs(out.logits, state.tokens)
+    logp = token_logprobs(bf16_logits(model, state.tokens, state.lengths), state.tokens)
     gen = np.asarray(state.generated)
     # Temperature 1, no truncation: the recorded log-prob is the log-softmax of the logits, up
     # to the rounding of the cached K/V (the model computes in float32; E4M3 keeps 3 mantissa
@@ -70,9 +76,8 @@ def test_generation_is_deterministic_given_the_key_and_greedy_is_argmax(model):
         dataclasses.replace(cfg, sampling=SamplingConfig(temperature=0.0)),
     )
     g = greedy.generate(PROMPTS, jax.random.key(0))
-    out, _ = full_forward(model, g, QuantPolicy.bf16())
     gen = np.asarray(g.generated)
-    pred = np.asarray(jnp.argmax(out.logits, -1))[:, :-1]
+    pred = np.asarray(jnp.argmax(bf16_logits(model, g.tokens, g.lengths), -1))[:, :-1]
     np.testing.assert_array_equal(np.asarray(g.tokens)[:, 1:][gen[:, 1:]], pred[gen[:, 1:]])
     # Greedy as a runtime flag: the same tokens and log-probs, through the sampling engine's
     # compiled programs (the evaluation engine of an RL run shares the rollout's so).
@@ -168,23 +173,35 @@ def trace_rollout():
     return model, eng.generate(prompts, jax.random.key(8))
 
 
+GUIDED = ("none", "last_half", "all")
+
+
 @pytest.fixture(scope="module")
-def trainer_out(trace_rollout):
-    """guided layers -> the trainer's forward over the TRACE rollout (each computed once)."""
+def trainer_forwards(trace_rollout):
+    """A rollout state -> {guided layers: the trainer's forward over it}, the three forwards in
+    one program (compiled once: the RTN layers of "none" and "last_half" share their kernels,
+    as do the guided layers of "last_half" and "all"); the TRACE rollout's, computed once."""
     model, state = trace_rollout
-    return functools.cache(lambda guided: trainer_forward(model, state, train_policy(guided)))
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def forwards(params, state):
+        model = nnx.merge(graphdef, params)
+        return {g: trainer_forward(model, state, train_policy(g)) for g in GUIDED}
+
+    rollout_out = forwards(params, state)
+    return lambda st: rollout_out if st is state else forwards(params, st)
 
 
 @pytest.mark.slow
 def test_trace_end_to_end_codes_agree_except_beyond_one_code_step_and_mismatch_shrinks(
-    trace_rollout, trainer_out
+    trace_rollout, trainer_forwards
 ):
     _, state = trace_rollout
     filled = np.arange(state.tokens.shape[1])[None] < np.asarray(state.lengths)[:, None]
     report = {}
-    for guided in ("none", "last_half", "all"):
+    for guided, out in trainer_forwards(state).items():
         policy = train_policy(guided, "nvfp4")
-        out = trainer_out(guided)
         report[guided] = mismatch_report(out, state, policy, CFG.num_layers)
         for name, train in out.records.items():
             if not name.endswith(".codes"):
@@ -225,11 +242,10 @@ def test_trace_end_to_end_codes_agree_except_beyond_one_code_step_and_mismatch_s
 
 
 def test_guidance_through_the_cache_and_a_spill_gives_the_same_trainer_forward(
-    trace_rollout, trainer_out, tmp_path
+    trace_rollout, trainer_forwards, tmp_path
 ):
-    model, state = trace_rollout
-    policy = train_policy("last_half", "nvfp4")
-    direct = trainer_out("last_half")
+    _, state = trace_rollout
+    direct = trainer_forwards(state)["last_half"]
     with GuidanceCache(tmp_path / "spill", host_budget_bytes=0) as cache:
         ids = [f"prompt{b}" for b in range(state.tokens.shape[0])]
         cache.put_batch(3, ids, guidance_of(state))
@@ -243,7 +259,7 @@ def test_guidance_through_the_cache_and_a_spill_gives_the_same_trainer_forward(
     fetched = commit(jax.tree.map(jnp.asarray, fetched))
     assert sorted(fetched) == sorted(guidance_of(state))
     replayed = dataclasses.replace(flipped, guidance={**flipped.guidance, **fetched})
-    out = trainer_forward(model, replayed, policy)
+    out = trainer_forwards(replayed)["last_half"]
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(direct.logits)[::-1])
 
 
