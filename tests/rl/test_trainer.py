@@ -224,6 +224,12 @@ def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip(fp4_b
             params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # Invariant (independent of the hand computation's row plumbing): the step raised the
+    # log-prob of every positive-advantage sequence and lowered every negative one.
+    mask = np.asarray(batch.loss_mask)
+    moved = np.sum(np.where(mask, np.asarray(trainer.score(state.params, batch)[0] - old), 0), 1)
+    adv = np.asarray(ADV8)
+    assert np.all(moved[adv > 0] > 0) and np.all(moved[adv < 0] < 0), (moved, adv)
     # One update per batch clips nothing:
     # test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics
 
