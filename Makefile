@@ -20,17 +20,19 @@ REF_PACKAGES := torch==2.13.0 torchao==0.18.0 numpy==2.3.5 transformers==5.23.0 
 
 .PHONY: run test lint pytest ref-env clean
 
+# --no-compile: modules are byte-compiled when first imported, not all of torch's and jax's at
+# install (which took half of the reference environment's install).
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "python3.12 not found (set PYTHON312=/path/to/python3.12)"; exit 1; }
 	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
 	touch $@
 
 $(REF_VENV)/.installed: Makefile
 	@test -n "$(PYTHON311)" || { echo "python3.11 not found (set PYTHON311=/path/to/python3.11)"; exit 1; }
 	test -x $(REF_VENV)/bin/python || $(PYTHON311) -m venv $(REF_VENV)
-	$(REF_VENV)/bin/python -m pip install -q $(REF_PACKAGES)
+	$(REF_VENV)/bin/python -m pip install -q --no-compile $(REF_PACKAGES)
 	touch $@
 
 ref-env: $(REF_VENV)/.installed
