@@ -40,6 +40,22 @@ Memory: each engine runs in a process of its own (``--isolate``, the default on 
 largest context at each batch (and batch at each context) follows from the device's limit,
 the weights, the measured workspace and the state's bytes per token.
 
+Compilation: a deep model's decode step is unrolled over its layers, and a 48-layer program
+takes minutes to compile. Each engine's decode programs are compiled before any is timed,
+side by side in threads (``precompile``). ``--compile-only --cache-dir D`` compiles every
+engine's programs from the models' shapes alone (no weights allocated, device memory taken as
+needed), into the persistent compilation cache D, beside a measuring run with the same
+``--cache-dir``: its engines load the programs D holds when they compile theirs (those of a
+later engine, or of a later run over fewer layers), and wait for the compiling processes to end
+before they time anything::
+
+    R="python3 experiments/bench/rollout.py --preset qwen3-30b-a3b --cache-dir /tmp/jax-cache"
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the processes share the device
+    $R --engines bf16-pallas --compile-only & $R --engines w4a16,bf16-pallas
+
+SIGTERM (``timeout``) ends the run with the table of what was measured; ``--json`` is written
+after each engine. ``--limit-gb`` counts the device as holding that many GB (the fit checks).
+
 ``--profile``: the decode step with one part at a time replaced by a stand-in of the same shape
 (experts: zeros; attention: the K/V append alone; KV append: neither; LM head: zero logits;
 router: the hidden state's first E features as logits; sampling: argmax; activation
@@ -52,27 +68,35 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the engine's room on a GPU
+if "--compile-only" in sys.argv:  # beside an engine's process: take device memory as needed
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.layouts import Fp4Weight
 from trace_jax.config import ConfigError
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model.sharding import commit
 from trace_jax.rollout import RolloutConfig, RolloutEngine
 from trace_jax.rollout import load as rollout_load
+from trace_jax.rollout.engine import pack_expert_weight
 
 # Datasheet HBM bandwidth (bytes/s) by device kind; a kind not listed counts as the H200's.
 HBM_PEAK = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12}
@@ -196,7 +220,9 @@ def _synthetic(engine: RolloutEngine, batch: int, position: int, key) -> object:
     lengths = jnp.full((batch,), position, jnp.int32)
     logits = jax.random.normal(key, st.last_logits.shape, jnp.float32)
     cache = dataclasses.replace(st.cache, lengths=lengths)
-    return jax.block_until_ready(dataclasses.replace(st, cache=cache, last_logits=logits))
+    # committed as a prefill's state is: one compiled decode program for both (and ``precompile``'s)
+    st = commit(dataclasses.replace(st, cache=cache, last_logits=logits))
+    return jax.block_until_ready(st)
 
 
 def _check(out, batch: int, steps: int) -> str | None:
@@ -257,63 +283,206 @@ def _oom(err: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def run_engine(name: str, args, cfg: ModelConfig) -> dict:
-    """Every measurement of one engine: decode rows per (batch, generation), memory, profile."""
-    engine_spec = ENGINES[name]
-    out = {"engine": name, "rows": [], "memory": [], "profile": []}
-    out["device"] = jax.devices()[0].device_kind
-    t0 = time.perf_counter()
+def device_bytes(tree) -> int:
+    """Bytes of the distinct arrays (or shapes) in ``tree``: a buffer two leaves share (a
+    prepacked weight's codes and its ``QTensor``'s) counts once."""
+    leaves = {id(x): x for x in jax.tree.leaves(tree)}
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves.values())
+
+
+def abstract_model(cfg: ModelConfig, engine: Engine, attention: str, seed: int) -> Transformer:
+    """The model ``build_model`` makes, as shapes committed to the first device (nothing
+    allocated): an engine's programs compile from it as from the real model."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed)))
+    quantize, prepack = rollout_load.expert_packing(engine.policy, engine.rollout(16, 1, attention))
+    pack = functools.partial(pack_expert_weight, policy=engine.policy, prepack=prepack)
+    for layer in model.layers if quantize else ():
+        for name in ("gate_proj", "up_proj", "down_proj") if layer.is_moe else ():
+            param = getattr(layer.mlp, name)
+            w = jax.eval_shape(pack, param.get_value())
+            if isinstance(w, Fp4Weight):  # prepack_arrays keeps the QTensor's codes, not a copy
+                w = dataclasses.replace(w, codes=w.qtensor.codes)
+            param.set_value(w)
+    graphdef, state = nnx.split(model)
+    placed = {}  # a shared leaf stays one object (``device_bytes`` counts it once)
+    state = jax.tree.map(lambda x: placed.setdefault(id(x), _on_device(x)), state)
+    return nnx.merge(graphdef, state)
+
+
+def _on_device(x) -> jax.ShapeDtypeStruct:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+
+
+def _engine(model, engine_spec: Engine, args, batch: int, new: int, gens: list[int], weights):
+    """The engine of one decode program and its state's bytes; a MemoryError where the weights
+    and the state alone exceed the device (not worth a compile to find out)."""
+    eng = RolloutEngine(
+        model, engine_spec.policy, engine_spec.rollout(args.prompt + max(gens), new, args.attention)
+    )
+    shapes = jax.eval_shape(functools.partial(eng.start, batch))
+    state_bytes = device_bytes(shapes)
+    limit = _limit(args)
+    if limit and weights + state_bytes > limit:
+        raise MemoryError(
+            f"RESOURCE_EXHAUSTED: weights and state need "
+            f"{(weights + state_bytes) / 1e9:.1f} GB of {limit / 1e9:.1f}"
+        )
+    return eng, state_bytes
+
+
+def _limit(args) -> float | None:
+    return args.limit_gb * 1e9 if args.limit_gb else _memory()["bytes_limit"]
+
+
+def _plan(model, engine_spec: Engine, args, weights: int) -> list[tuple]:
+    """(batch, new, gens, engine, state bytes) of each decode program, in the order they run."""
+    return [
+        p
+        for batch in args.batches
+        for new, gens in _programs(args)
+        for p in _fitting(model, engine_spec, args, batch, new, gens, weights)
+    ]
+
+
+def _fitting(model, engine_spec: Engine, args, batch: int, new: int, gens: list[int], weights):
+    """The plan entry of one program over ``gens``; where its state does not fit, of one
+    program per generation length ((batch, new, [g], None, why) for one that does not fit
+    either)."""
     try:
-        model = build_model(cfg, engine_spec, args.attention, args.seed)
-    except Exception as err:
-        if not _oom(err):
-            raise
-        out["error"] = f"model does not fit: {str(err).splitlines()[0][:120]}"
-        return out
-    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        return [(batch, new, gens, *_engine(model, engine_spec, args, batch, new, gens, weights))]
+    except MemoryError as err:
+        if len(gens) > 1:
+            return [
+                p
+                for g in gens
+                for p in _fitting(model, engine_spec, args, batch, new, [g], weights)
+            ]
+        return [(batch, new, gens, None, f"does not fit: {str(err)[:110]}")]
+
+
+def precompile(jobs: list[tuple[str, RolloutEngine, int]], wait_for: str | None = None) -> None:
+    """Compile the decode program of each (label, engine, batch) before any is timed: lowered
+    one at a time (tracing holds the GIL), compiled in threads (XLA's compiler releases it), so
+    that the programs of a deep model (its layers unrolled) compile side by side; a program that
+    ``--compile-only`` put in the compilation cache loads from it. ``wait_for``: that cache's
+    folder; then wait until the ``--compile-only`` processes are done (none of their work
+    overlaps a timing)."""
+    lowered = []
+    for label, eng, batch in jobs:
+        t0 = time.perf_counter()
+        state = jax.tree.map(_on_device, jax.eval_shape(functools.partial(eng.start, batch)))
+        rows = jnp.asarray(np.arange(batch, dtype=np.int32))  # as ``decode`` passes them
+        low = RolloutEngine._decode.lower(
+            eng, eng.state, state, jax.random.key(0), jnp.asarray(eng.greedy), rows
+        )
+        lowered.append((label, low, time.perf_counter() - t0))
+
+    def compile_one(item):
+        label, low, lower_s = item
+        t0 = time.perf_counter()
+        low.compile()
+        print(
+            f"  compiled {label}: traced and lowered in {lower_s:.1f} s, "
+            f"compiled (or loaded) in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+
+    if lowered:
+        with ThreadPoolExecutor(len(lowered)) as pool:
+            list(pool.map(compile_one, lowered))
+    if wait_for:
+        _compilers_lock(wait_for, fcntl.LOCK_EX)  # taken once no compiler holds it, then freed
+
+
+def _compilers_lock(cache_dir: str, mode: int) -> None:
+    """``--compile-only`` processes hold ``cache_dir``'s lock shared for their lifetime
+    (``LOCK_SH``, released when they exit, however they end); ``LOCK_EX`` waits for them."""
+    fd = os.open(os.path.join(cache_dir, "compiling.lock"), os.O_CREAT | os.O_RDWR)
+    if mode == fcntl.LOCK_EX:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("  waiting for the --compile-only processes", flush=True)
+            t0 = time.perf_counter()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print(f"  waited {time.perf_counter() - t0:.0f} s", flush=True)
+        os.close(fd)
+    else:
+        fcntl.flock(fd, mode)  # the descriptor stays open: held until the process ends
+
+
+def _prepare(name: str, args, cfg: ModelConfig) -> tuple[dict, object, list[tuple]]:
+    """An engine's result record, its model (built, or its shapes with ``--compile-only``) and
+    the plan of its decode programs (``_plan``); the model is None where it does not fit."""
+    engine_spec = ENGINES[name]
+    out = {"engine": name, "device": jax.devices()[0].device_kind}
+    out.update(rows=[], memory=[], profile=[])
+    t0 = time.perf_counter()
+    if args.compile_only:
+        model = abstract_model(cfg, engine_spec, args.attention, args.seed)
+    else:
+        try:
+            model = build_model(cfg, engine_spec, args.attention, args.seed)
+        except Exception as err:
+            if not _oom(err):
+                raise
+            out["error"] = f"model does not fit: {str(err).splitlines()[0][:120]}"
+            return out, None, []
+    weights = device_bytes(nnx.state(model))
     out["weights_bytes"], out["build_s"] = weights, time.perf_counter() - t0
-    for batch in args.batches:
-        queue = _programs(args)
-        while queue:
-            new, gens = queue.pop(0)
-            slots = max(gens)
-            try:
-                eng = RolloutEngine(
-                    model,
-                    engine_spec.policy,
-                    engine_spec.rollout(args.prompt + slots, new, args.attention),
-                )
-                shapes = jax.eval_shape(functools.partial(eng.start, batch))
-                state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-                limit = _memory()["bytes_limit"]
-                if limit and weights + state_bytes > limit:  # not worth a compile to find out
-                    raise MemoryError(
-                        f"RESOURCE_EXHAUSTED: weights and state need "
-                        f"{(weights + state_bytes) / 1e9:.1f} GB of {limit / 1e9:.1f}"
-                    )
-                steps = _measure(eng, batch, gens, args)
-                del eng
-            except Exception as err:
-                if not _oom(err):
-                    raise
-                if len(gens) > 1:  # one program per generation length instead
-                    queue = [(new, [g]) for g in gens] + queue
-                    continue
-                why = f"does not fit: {str(err).splitlines()[0][:110]}"
-                out["memory"].append(dict(batch=batch, context=args.prompt + slots, oom=why))
-                out["rows"].append(dict(batch=batch, gen=slots, error=why))
-                print(f"  {name} batch {batch} gen {slots}: {why}", flush=True)
+    limit = _limit(args)
+    if limit and weights > limit:
+        out["error"] = f"model does not fit: {weights / 1e9:.2f} GB of {limit / 1e9:.2f}"
+        print(f"  {name}: {out['error']}", flush=True)
+        return out, None, []
+    return out, model, _plan(model, engine_spec, args, weights)
+
+
+def run_engine(name: str, args, cfg: ModelConfig) -> dict:
+    """Every measurement of one engine: decode rows per (batch, generation), memory, profile.
+    Its decode programs are compiled first (``precompile``); each program's rows are printed,
+    and in a child process its result so far too, as soon as they are measured."""
+    engine_spec = ENGINES[name]
+    out, model, queue = _prepare(name, args, cfg)
+    if model is None:
+        return out
+    kind = out["device"]
+    label = f"{name} on {kind}"
+    jobs = [(f"{label}, batch {b}, gens {g}", eng, b) for b, _, g, eng, _ in queue if eng]
+    precompile(jobs, args.cache_dir)
+    while queue:
+        batch, new, gens, eng, info = queue.pop(0)
+        slots = max(gens)
+        try:
+            if eng is None:
+                raise MemoryError(info)
+            steps = _measure(eng, batch, gens, args)
+        except Exception as err:
+            if not _oom(err):
+                raise
+            if eng is not None and len(gens) > 1:  # one program per generation length instead
+                weights = out["weights_bytes"]
+                split = (_fitting(model, engine_spec, args, batch, new, [g], weights) for g in gens)
+                queue = [p for ps in split for p in ps] + queue
                 continue
-            mem = _memory()
-            out["memory"].append(
-                dict(batch=batch, context=args.prompt + slots, state_bytes=state_bytes, **mem)
-            )
-            for g, by_pos in steps.items():
-                row = _row(cfg, engine_spec, batch, args.prompt, g, by_pos, args.mode)
-                out["rows"].append(row)
-                print(f"  {name} {_progress(row, mem)}", flush=True)
-        if args.profile and batch == args.batches[0]:
-            out["profile"] = profile(model, engine_spec, cfg, args, batch)
+            why = info if eng is None else f"does not fit: {str(err).splitlines()[0][:110]}"
+            out["memory"].append(dict(batch=batch, context=args.prompt + slots, oom=why))
+            out["rows"].append(dict(batch=batch, gen=slots, device=kind, error=why))
+            print(f"  {label}: batch {batch} gen {slots}: {why}", flush=True)
+            continue
+        mem = _memory()
+        out["memory"].append(
+            dict(batch=batch, context=args.prompt + slots, state_bytes=info, **mem)
+        )
+        for g, by_pos in steps.items():
+            row = _row(cfg, engine_spec, batch, args.prompt, g, by_pos, args.mode)
+            out["rows"].append(dict(row, device=kind))
+            print(f"  {label}: {_progress(row, mem)}", flush=True)
+        if args.child:
+            print("RESULT " + json.dumps(out), flush=True)
+    if args.profile:
+        out["profile"] = profile(model, engine_spec, cfg, args, args.batches[0])
     return out
 
 
@@ -540,6 +709,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--limit-gb", type=float, default=None, help="count the device as holding this many GB"
+    )
+    parser.add_argument("--cache-dir", default=None, help="persistent compilation cache folder")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the engines' decode programs into --cache-dir (beside a run that uses it)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batches = _ints(parser, "--batches", args.batches)
@@ -558,6 +736,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag}: must be positive, got {v}")
     if args.layers is not None and args.layers <= 0:
         parser.error(f"--layers: must be positive, got {args.layers}")
+    if args.limit_gb is not None and args.limit_gb <= 0:
+        parser.error(f"--limit-gb: must be positive, got {args.limit_gb}")
+    if args.compile_only and not args.cache_dir:
+        parser.error("--compile-only: needs --cache-dir (the folder the run reads them from)")
     if args.mode == "window" and min(args.gens) < 2 * args.window:
         parser.error(f"--gens: each must be at least 2 x --window ({2 * args.window})")
     args.batches.sort()
@@ -584,26 +766,42 @@ def model_config(args) -> ModelConfig:
     return cfg if args.layers is None else cfg.replace(num_layers=args.layers)
 
 
-def _in_child(name: str, argv: list[str]) -> dict:
+def _in_child(name: str, argv: list[str], result: dict) -> None:
     """Run one engine in a process of its own (its peak memory is its own), passing its
-    progress lines through as they come."""
+    progress lines through as they come. ``result`` holds its latest result (each program's
+    rows as they are measured), also where the process dies or is stopped."""
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
     )
-    result, last = None, "no output"
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-        elif line.strip():
-            print(f"  | {line}" if not line.startswith("  ") else line, flush=True)
-            last = line
-    proc.wait()
-    if result is None:
-        result = dict(engine=name, rows=[], memory=[], profile=[])
+    result.update(engine=name, rows=[], memory=[], profile=[])
+    last, done = "no output", False
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("RESULT "):
+                result.clear()
+                result.update(json.loads(line[len("RESULT ") :]))
+            elif line.startswith("DONE"):
+                done = True
+            elif line.strip():
+                print(f"  | {line}" if not line.startswith("  ") else line, flush=True)
+                last = line
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if not done:
         result["error"] = f"exit {proc.returncode}: {last.strip()[:160]}"
-    return result
+
+
+class _Stopped(Exception):
+    """SIGTERM (a time limit): report what was measured."""
+
+
+def _stop(signum, frame):
+    raise _Stopped
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -613,22 +811,60 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cfg = model_config(args)
     except ConfigError as err:
         raise SystemExit(f"rollout.py: {err}") from None
+    if args.cache_dir:
+        os.makedirs(args.cache_dir, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.child:
         result = run_engine(args.child, args, cfg)
         print("RESULT " + json.dumps(result), flush=True)
+        print("DONE", flush=True)
         return [result]
+    if args.compile_only:
+        compile_only(args, cfg)
+        return []
     # auto: on a machine with an NVIDIA GPU; this process then never starts a device (it would
     # take the memory the engines' processes need)
     isolate = args.isolate == "yes" or (args.isolate == "auto" and os.path.exists("/dev/nvidiactl"))
     results = []
+    try:
+        for name in args.engines:
+            print(f"== {name} ({ENGINES[name].about})", flush=True)
+            results.append({})
+            if isolate:
+                _in_child(name, argv, results[-1])
+            else:
+                results[-1].update(run_engine(name, args, cfg))
+            _write_json(args, results)
+    except _Stopped:
+        if results:
+            results[-1]["error"] = "stopped (time limit); the rows above were measured"
+        print("stopped (time limit)", flush=True)
+    report([r for r in results if r], cfg, args)
+    _write_json(args, results)
+    return results
+
+
+def compile_only(args, cfg: ModelConfig) -> None:
+    """Compile every engine's decode programs from the models' shapes into ``--cache-dir``,
+    holding its lock until done (``precompile``)."""
+    _compilers_lock(args.cache_dir, fcntl.LOCK_SH)
+    jobs = []
     for name in args.engines:
-        print(f"== {name} ({ENGINES[name].about})", flush=True)
-        results.append(_in_child(name, argv) if isolate else run_engine(name, args, cfg))
-    report(results, cfg, args)
+        out, _, plan = _prepare(name, args, cfg)
+        label = f"{name} on {out['device']}"
+        for batch, _, gens, eng, info in plan:
+            if eng is None:
+                print(f"  {label}: batch {batch} gens {gens}: {info}", flush=True)
+            else:
+                jobs.append((f"{label}, batch {batch}, gens {gens}", eng, batch))
+    precompile(jobs)
+
+
+def _write_json(args, results: list[dict]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), results=results), f, indent=1)
-    return results
 
 
 def report(results: list[dict], cfg: ModelConfig, args) -> None:
@@ -712,4 +948,5 @@ def _fit(weights: int, m: dict, per_token: float) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop)
     main()

@@ -45,6 +45,9 @@ def test_floor_matches_the_issues_count():
     # an NVFP4 cache slot: 64 code bytes, 8 scale bytes and a 4-byte global scale per head
     assert rollout.kv_bytes_per_token(cfg, "nvfp4") == 2 * 4 * 76
     assert rollout.kv_bytes_per_token(cfg, "bf16") == 2 * 4 * 256
+    # a buffer two leaves share (a prepacked weight's codes and its QTensor's) counts once
+    a, b = jax.numpy.zeros((3, 4), "uint8"), jax.numpy.zeros((5,), "float32")
+    assert rollout.device_bytes({"codes": a, "qtensor": {"codes": a}, "scale": b}) == 12 + 20
 
 
 def test_window_and_full_runs(capsys):
@@ -81,6 +84,13 @@ def test_what_does_not_fit_is_a_row_of_its_own(monkeypatch):
     shapes = jax.tree.leaves(jax.eval_shape(lambda: eng.start(2)))
     state = sum(x.size * x.dtype.itemsize for x in shapes)
     memory = dict(peak_bytes_in_use=None, bytes_in_use=None, bytes_limit=weights + state)
+    # the window's states are committed as a prefill's are (one decode program for both)
+    st = rollout._synthetic(eng, 2, 4, jax.random.key(0))
+    assert all(x.committed for x in jax.tree.leaves(st))
+    # --compile-only's model: the built model's shapes, dtypes and structure
+    shapes = rollout.abstract_model(rollout.model_config(args), spec, "triton", 0)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(model))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(shapes)) == want
     monkeypatch.setattr(rollout, "_memory", lambda: memory)
     (res,) = rollout.main([*TINY, "--engines", ENGINE, "--gens", "8,16", "--repeats", "1"])
     fits, too_big = res["rows"]
