@@ -35,7 +35,10 @@ STEPS=(
   "matmul-bounds|200|$PY $BENCH/fp4_matmul.py --bounds --ms 1,16,64"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
   "rollout-qwen3|500|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 4 --engines bf16,trace,bf16-pallas --batches 32 --prompt 64 --gens 128 --mode full --repeats 2"
-  "rollout-full|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full.json"
+  # the whole model (48 layers), then 30 (where every BF16 configuration fits an 80 GB H100 by
+  # the weights and state: 73.4 GB at batch 64 x 8,704): the BF16 programs and the 30-layer ones
+  # compile beside the FP4 engine's (rollout.py --compile-only; an unrolled 48-layer program takes minutes)
+  "rollout-full|565|export XLA_PYTHON_CLIENT_PREALLOCATE=false; R=\"$PY $BENCH/rollout.py --preset qwen3-30b-a3b --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1 --cache-dir \$JAX_COMPILATION_CACHE_DIR\"; \$R --engines bf16-pallas --compile-only & \$R --layers 30 --engines w4a16,bf16-pallas --compile-only & timeout 430 \$R --engines w4a16,bf16-pallas --json $OUT/rollout-full.json; \$R --layers 30 --engines w4a16,bf16-pallas --json $OUT/rollout-full-30.json"
   "rollout-full-w4a4|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a4 --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-w4a4.json"
   "rollout-full-128|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-128.json"
   "rollout-layers|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 16 --engines w4a16,bf16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-layers.json"
