@@ -80,8 +80,8 @@ def check_steps():
     mesh = make_mesh(data=2, fsdp=2, expert=2)
     sharded = shard_model(Transformer(cfg, nnx.Rngs(0)), mesh)
 
-    def put(a):
-        return jax.device_put(a, batch_sharding(mesh, a.ndim))
+    def put(a):  # from the host: no program to slice a device's array, one per shape
+        return jax.device_put(np.asarray(a), batch_sharding(mesh, a.ndim))
 
     data = RLBatch(
         tokens=put(batch.tokens),

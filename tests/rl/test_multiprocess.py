@@ -21,15 +21,17 @@ from trace_jax.rollout import RolloutConfig, RolloutEngine
 
 
 def test_a_row_samples_the_same_tokens_in_any_part_of_its_batch():
+    # the shapes of test_trainer.py's BF16 rollouts (8 rows): the whole batch's programs are
+    # shared through the persistent compilation cache; its halves compile once
     model = Transformer(ModelConfig.preset("tiny").replace(num_layers=1), nnx.Rngs(0))
-    engine = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(max_len=16, max_new_tokens=8))
-    prompts = [[1, 2, 3]] * 4  # one prompt: the rows differ by their keys alone
+    engine = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(max_len=12, max_new_tokens=6))
+    prompts = [[1, 2, 3]] * 8  # one prompt: the rows differ by their keys alone
     key = jax.random.key(3)
     whole = engine.generate(prompts, key)
     tokens = np.asarray(whole.tokens)
-    assert len({tuple(t) for t in tokens}) == 4, tokens  # each row has its own key
+    assert len({tuple(t) for t in tokens}) == 8, tokens  # each row has its own key
     # e.g. process 1's half of the batch; any rows in any order (one shape: one compiled set)
-    for part in ([0, 1], [2, 3], [3, 0]):
+    for part in ([0, 1, 2, 3], [4, 5, 6, 7], [7, 0, 5, 2]):
         got = engine.generate([prompts[i] for i in part], key, row_ids=np.asarray(part))
         np.testing.assert_array_equal(np.asarray(got.tokens), tokens[part])
         # float32 rounding: XLA:CPU picks its matmul kernels by shape, and the batch is a dim
