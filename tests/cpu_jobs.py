@@ -12,7 +12,9 @@ def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
 
     Without the persistent compilation cache: multi-device CPU programs loaded from it can
     deadlock in their collectives (XLA:CPU, jax 0.11.2: reproduced on a second run over one
-    cache directory)."""
+    cache directory). A deserialized program does not meet its peers: with
+    ``jax_share_binary_between_hosts`` (process 0 compiles, the others load its program) the
+    job's first cross-process sum timed out in the Gloo context's key exchange."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
