@@ -73,7 +73,9 @@ def test_every_sweep_file_resolves_and_shared_warm_starts_agree():
 @pytest.mark.slow
 def test_trace_mismatch_runs_and_guidance_shrinks_the_mismatch(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    args = ["batch=4", "max_new_tokens=12", "modes=[none,all]", "model_overrides={num_layers: 2}"]
+    # The three modes' trainer forwards are those of notebooks/trace_rl_quickstart.ipynb (its
+    # 2-layer model, batch of 4 sequences of 26 slots): one compiled program each for both.
+    args = ["batch=4", "prompt_len=14", "max_new_tokens=12", "model_overrides={num_layers: 2}"]
     args += ["--run-dir", str(run_dir)]
     assert main(["run", "configs/trace_mismatch.yaml", *args]) == 0
     results = json.loads((run_dir / "results.json").read_text())
