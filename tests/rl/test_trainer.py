@@ -1,6 +1,8 @@
 """Trainer steps: a policy learns a bandit, the update follows the reported loss, warm start
 (the 2-device sharded RL step: ``sharded_step_check.py``, run by ``test_multiprocess.py``)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +26,9 @@ ROLLOUT = RolloutConfig(max_len=12, max_new_tokens=6, kv_cache="nvfp4")
 RECORDING = QuantPolicy.rollout(record_codes=True)
 PROMPTS8 = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]] * 2
 ADV8 = jnp.asarray([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, 0.25, -0.25])
-KL = LossConfig(kl_coef=0.1)  # with the default TIS correction
+# One loss for the FP4 update tests (their programs are shared), with the default TIS correction;
+# the narrow clip acts only where several updates move the ratio away from 1.
+KL = LossConfig(kl_coef=0.1, clip_low=0.05, clip_high=0.05)
 
 
 def batch_from(state, advantages, replay=True):
@@ -42,9 +46,11 @@ def batch_from(state, advantages, replay=True):
     )
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program (eagerly: one per op)
 def target_mass(trainer, params, prompt):
-    logits = trainer.model(params)(jnp.asarray([prompt])).logits[0, -1]
-    return float(jax.nn.softmax(logits)[TARGETS].sum())
+    """The policy's probability of a token of TARGETS after ``prompt`` ([T] int32)."""
+    logits = trainer.model(params)(prompt[None]).logits[0, -1]
+    return jax.nn.softmax(logits)[TARGETS].sum()
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,31 @@ def fp4_batch():
     model = Transformer(CFG, nnx.Rngs(0))
     engine = RolloutEngine(model, RECORDING, ROLLOUT)
     return model, batch_from(engine.generate(PROMPTS8, jax.random.key(0)), ADV8)
+
+
+@functools.cache  # one jitted function per model: the tests share its program
+def loss_by_hand(model):
+    """``grad(params, batch, old_logp, ref_logp, rows)``: the TRACE trainer's loss under KL
+    (replayed routes, the batch's guidance) of the sequences ``rows`` ([B] bool) with proximal
+    log-probs ``old_logp`` [B, S] composed here from the model and ``policy_loss``, its router's
+    choice and its gradient: ``((loss, router_choice), grads)``. The token mean over the masked
+    rows is the minibatch's; one compiled program for the whole batch and for minibatches."""
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, batch, old_logp, ref_logp, rows):
+        out = nnx.merge(graphdef, params, rest)(
+            batch.tokens,
+            attention_mask=batch.filled,
+            policy=QuantPolicy.trace(),
+            guidance=batch.guidance,
+            replay_routes=batch.routes,
+        )
+        logp = metrics.token_logprobs(out.logits, batch.tokens)
+        mask = batch.loss_mask & rows[:, None]
+        args = (batch.rollout_logp, batch.advantages, mask, KL, ref_logp)
+        return policy_loss(logp, old_logp, *args)[0], out.router_choice
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 @pytest.mark.slow
@@ -66,7 +97,7 @@ def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit(fp4_batch):
     state = trainer.init()
     ref = jax.tree.map(jnp.copy, state.params)
     prompt = [1, 2, 3]
-    before = target_mass(trainer, state.params, prompt)
+    before = float(target_mass(trainer, state.params, jnp.asarray(prompt)))
     for step in range(12):
         engine.update_params(trainer.model(state.params), version=step)
         rs = engine.generate([prompt] * 8, jax.random.key(step))
@@ -74,7 +105,7 @@ def test_grpo_with_fp4_rollout_and_trace_learns_a_bandit(fp4_batch):
         adv = group_advantages(rewards.reshape(1, -1)).reshape(-1)
         state, m = trainer.rl_step(state, batch_from(rs, adv), ref_params=ref)
         assert np.isfinite(m["train/loss"]) and m["mismatch/logp_abs"] < 1e-3
-    after = target_mass(trainer, state.params, prompt)
+    after = float(target_mass(trainer, state.params, jnp.asarray(prompt)))
     assert before < 0.2 and after > 2 * before, (before, after)
     assert int(state.step) == 12
 
@@ -87,10 +118,13 @@ def test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics(
     trainer = Trainer(model, policy, KL, optax.sgd(lr))
     state = trainer.init()
     params0 = jax.tree.map(jnp.copy, state.params)
-    noise = jax.tree.map(
-        lambda p: 0.05 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), state.params
-    )
-    ref = jax.tree.map(jnp.add, state.params, noise)
+
+    @jax.jit  # one program (eagerly: one per parameter shape)
+    def noisy(params):
+        key = jax.random.key(2)
+        return jax.tree.map(lambda p: p + 0.05 * jax.random.normal(key, p.shape, p.dtype), params)
+
+    ref = noisy(state.params)
     with pytest.raises(ValueError, match="reference parameters"):
         trainer.rl_step(trainer.init(), batch)
     new, m = trainer.rl_step(state, batch, ref_params=ref)
@@ -100,7 +134,8 @@ def test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics(
 
     # The loss by hand: ratio 1 (one update), the TIS weight min(pi_train / pi_rollout, 5)
     # times -advantage, plus 0.1 x the k3 estimate of KL to the reference, per token.
-    logp, ref_logp = (np.asarray(trainer.score(p, batch)[0], np.float64) for p in (params0, ref))
+    scored = [trainer.score(p, batch)[0] for p in (params0, ref)]
+    logp, ref_logp = (np.asarray(a, np.float64) for a in scored)
     mask = np.asarray(batch.loss_mask)
     d = (ref_logp - logp)[mask]
     kl = np.exp(d) - d - 1
@@ -112,28 +147,10 @@ def test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics(
     adv = np.broadcast_to(np.asarray(ADV8)[:, None], mask.shape)[mask]
     assert m["train/loss"] == pytest.approx(np.mean(-adv * w + 0.1 * kl), rel=1e-4)
 
-    # SGD: new params = old - lr * grad of the loss the step reports
-    def loss(params):
-        out = trainer.model(params)(
-            batch.tokens,
-            attention_mask=batch.filled,
-            policy=policy,
-            guidance=batch.guidance,
-            replay_routes=batch.routes,
-        )
-        logp = metrics.token_logprobs(out.logits, batch.tokens)
-        value = policy_loss(
-            logp,
-            jax.lax.stop_gradient(logp),
-            batch.rollout_logp,
-            batch.advantages,
-            batch.loss_mask,
-            KL,
-            jnp.asarray(ref_logp, jnp.float32),
-        )[0]
-        return value, out.router_choice
-
-    (value, choice), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params0)
+    # SGD: new params = old - lr * grad of the loss the step reports (proximal: the forward's own)
+    every = jnp.ones(batch.size, bool)
+    # the scored arrays as they came (committed): the minibatch test's calls are the same program
+    (value, choice), grads = loss_by_hand(model)(params0, batch, *scored, every)
     assert float(m["train/loss"]) == pytest.approx(float(value), rel=1e-5, abs=1e-7)
     # The trainer router's own top-k against the rollout's experts, under replay.
     routes = metrics.route_mismatch(choice, batch.routes, batch.loss_mask)
@@ -189,38 +206,24 @@ def test_trainer_scores_the_sampling_distribution_so_bf16_pairs_stay_at_the_floo
 
 def test_several_updates_per_batch_score_the_proximal_policy_once_and_clip(fp4_batch):
     model, batch = fp4_batch
-    loss_cfg = LossConfig(clip_low=0.05, clip_high=0.05)
     lr = 0.5
-    trainer = Trainer(
-        model, QuantPolicy.trace(), loss_cfg, optax.sgd(lr), ppo_epochs=2, minibatches=2
-    )
+    trainer = Trainer(model, QuantPolicy.trace(), KL, optax.sgd(lr), ppo_epochs=2, minibatches=2)
     key = jax.random.key(7)
     params0 = jax.tree.map(jnp.copy, trainer.init().params)
-    state, m = trainer.rl_step(trainer.init(), batch, key)
+    state, m = trainer.rl_step(trainer.init(), batch, key, ref_params=params0)
     assert int(state.step) == 4
     assert m["loss/clip_frac"] > 0, m  # the ratio moved away from 1 after the first update
-    # By hand: the proximal log-probs once, then SGD on each minibatch of the same shuffles.
+    # By hand: the proximal and reference log-probs once, then SGD on each minibatch of the
+    # same shuffles (the reference is where the updates started).
     old = trainer.score(params0, batch)[0]
-
-    def loss(params, mb, old_mb):
-        out = trainer.model(params)(
-            mb.tokens,
-            attention_mask=mb.filled,
-            policy=QuantPolicy.trace(),
-            guidance=mb.guidance,
-            replay_routes=mb.routes,
-        )
-        logp = metrics.token_logprobs(out.logits, mb.tokens)
-        args = (mb.rollout_logp, mb.advantages, mb.loss_mask, loss_cfg)
-        return policy_loss(logp, old_mb, *args)[0]
-
-    grad = jax.jit(jax.grad(loss))
+    ref_logp = trainer.logprobs(params0, batch)
+    grad = loss_by_hand(model)
     params = params0
     for epoch in range(2):
         order = jax.random.permutation(jax.random.fold_in(key, epoch), 8)
         for i in range(2):
-            rows = order[4 * i : 4 * i + 4]
-            grads = grad(params, batch.take(rows), old[rows])
+            rows = jnp.zeros(8, bool).at[order[4 * i : 4 * i + 4]].set(True)
+            grads = grad(params, batch, old, ref_logp, rows)[1]
             params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
