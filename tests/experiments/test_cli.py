@@ -4,7 +4,7 @@ import json
 
 import pytest
 import yaml
-from tiny_rl import LONG_HORIZON, SMALL_RL
+from tiny_rl import LONG_HORIZON
 
 from experiments.__main__ import main
 
@@ -100,52 +100,14 @@ def test_bench_scripts_print_their_tables(capsys):
 
 
 @pytest.mark.slow
-def test_rl_experiments_run_multi_turn_and_ptq_and_compare(tmp_path, capsys, monkeypatch):
-    from trace_jax.rl import loop
-    from trace_jax.rl.tasks_io import TaskIO
-
-    # The post-hoc evaluation after RL evaluates BF16 and PTQ on eval_split (here the training
-    # problems): the splits of the problems built after RL ended are recorded.
-    splits, real_problem, real_run = [], TaskIO.problem, loop.RLRun.run
-
-    def problem(self, split, index):
-        splits.append(split)
-        return real_problem(self, split, index)
-
-    def run_then_record(self):
-        out = real_run(self)
-        splits.clear()
-        return out
-
-    monkeypatch.setattr(TaskIO, "problem", problem)
-    monkeypatch.setattr(loop.RLRun, "run", run_then_record)
-    runs = []
-    for config, extra in [
-        LONG_HORIZON,
-        (
-            # reasoning at tests/experiments/conftest.py's SMALL shapes: its warm start program
-            "configs/reasoning/ptq_eval.yaml",
-            [
-                *SMALL_RL,
-                "warm_start.batch=4",
-                "max_new_tokens=6",
-                "ptq_scale_rules=[four_over_six]",
-                "eval_split=train",
-            ],
-        ),
-    ]:
-        run_dir = tmp_path / config.replace("/", "_")
-        assert main(["run", config, *extra, "--run-dir", str(run_dir)]) == 0, config
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
-        assert (run_dir / "curves.png").stat().st_size > 0
-        runs.append(str(run_dir))
-    results = json.loads(
-        (tmp_path / "configs_reasoning_ptq_eval.yaml" / "results.json").read_text()
-    )
-    assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
-    assert splits and set(splits) == {"train"}
-    assert results["summary"]["rl_steps"] == 2
-    assert main(["compare", *runs, "--out", str(tmp_path / "cmp.png")]) == 0
+def test_a_multi_turn_rl_run_and_its_comparison(tmp_path, capsys):
+    # the ptq_eval experiment: tests/experiments/test_hf_run.py, at the shapes of its other run
+    config, extra = LONG_HORIZON
+    run_dir = tmp_path / "run"
+    assert main(["run", config, *extra, "--run-dir", str(run_dir)]) == 0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert main(["compare", str(run_dir), "--out", str(tmp_path / "cmp.png")]) == 0
     out = capsys.readouterr().out
-    assert all(run in out for run in runs) and (tmp_path / "cmp.png").stat().st_size > 0
+    assert str(run_dir) in out and (tmp_path / "cmp.png").stat().st_size > 0

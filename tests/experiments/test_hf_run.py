@@ -1,8 +1,10 @@
 """``hf_checkpoint=`` through the entry point: a tiny Qwen3-MoE checkpoint with its own trained
 tokenizer and chat template runs RL with its prompts rendered in the template and its special
-tokens, and its trained policy exports as NVFP4 with that tokenizer and loads back; a tokenizer
-that does not fit the checkpoint is one line naming the file, exit code 2."""
+tokens, and its trained policy exports as NVFP4 with that tokenizer and loads back; the
+``ptq_eval`` experiment evaluates such a policy quantized post hoc; a tokenizer that does not fit
+the checkpoint is one line naming the file, exit code 2."""
 
+import json
 import shutil
 
 import jax
@@ -93,6 +95,46 @@ def test_rl_from_a_checkpoint_prompts_it_in_its_chat_template(
     assert [exported.prompt_ids(p.prompt) for p in problems] == [
         list(row[ok]) for row, ok in zip(tokens, valid, strict=True)
     ]
+
+
+@pytest.mark.slow
+def test_ptq_eval_of_the_policy_trained_from_a_checkpoint(
+    checkpoint, tmp_path, monkeypatch, small_yaml
+):
+    """BF16 RL (the programs of the run above: the same checkpoint and shapes), then its policy
+    quantized post hoc and evaluated on ``eval_split`` (here the training problems): the splits
+    of the problems built after RL ended are recorded."""
+    from trace_jax.rl import loop
+
+    folder, _ = checkpoint
+    splits, real_problem, real_run = [], TaskIO.problem, loop.RLRun.run
+
+    def problem(self, split, index):
+        splits.append(split)
+        return real_problem(self, split, index)
+
+    def run_then_record(self):
+        out = real_run(self)
+        splits.clear()
+        return out
+
+    monkeypatch.setattr(TaskIO, "problem", problem)
+    monkeypatch.setattr(loop.RLRun, "run", run_then_record)
+    run_dir = tmp_path / "run"
+    config = small_yaml(
+        experiment="ptq_eval",
+        warm_start={"steps": 0},
+        ptq_scale_rules=["four_over_six"],
+        eval_split="train",
+        plot=True,
+    )
+    assert main(["run", config, f"hf_checkpoint={folder}", "--run-dir", str(run_dir)]) == 0
+    assert [r["step"] for r in runlog.read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
+    assert (run_dir / "curves.png").stat().st_size > 0
+    results = json.loads((run_dir / "results.json").read_text())
+    assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
+    assert splits and set(splits) == {"train"}
+    assert results["summary"]["rl_steps"] == 2
 
 
 def test_a_tokenizer_that_does_not_fit_the_checkpoint_is_one_line(
