@@ -215,13 +215,15 @@ def test_route_renormalisation():
 def test_scanned_layers_compute_what_the_per_layer_loop_does():
     """``scan_layers`` runs alike consecutive layers as one ``lax.scan``; logits, routes, K/V,
     the rollout's records (codes bit for bit) and the guided trainer's gradients equal the
-    per-layer loop's, on a stack with a dense layer and TRACE's RTN and guided halves."""
-    cfg = CFG.replace(num_layers=6, mlp_only_layers=(0,))
+    per-layer loop's, on a stack with a dense layer and TRACE's RTN and guided runs (2 layers
+    each: the fewest that scan; every layer more is compiled again in the loop's programs)."""
+    cfg = CFG.replace(num_layers=5, mlp_only_layers=(0,))
     m = Transformer(cfg, nnx.Rngs(3))
     tok = tokens()  # the other tests' shape: the eager per-layer loop reuses their FP4 programs
-    rollout, trace = QuantPolicy.rollout(record_codes=True), QuantPolicy.trace()
-    assert m._runs(SiteContext(trace, 6)) == [(0, 1), (1, 3), (3, 6)]
-    assert m._runs(SiteContext(QuantPolicy(), 6)) == [(0, 1), (1, 6)]
+    last2 = dict(guided_layers="last_k", guided_last_k=2)
+    rollout, trace = QuantPolicy.rollout(record_codes=True, **last2), QuantPolicy.trace(**last2)
+    assert m._runs(SiteContext(trace, 5)) == [(0, 1), (1, 3), (3, 5)]
+    assert m._runs(SiteContext(QuantPolicy(), 5)) == [(0, 1), (1, 5)]
     assert "scan" in str(jax.make_jaxpr(lambda t: m(t, scan_layers=True).logits)(tok))
     assert "scan" not in str(jax.make_jaxpr(lambda t: m(t).logits)(tok))
 
@@ -238,8 +240,8 @@ def test_scanned_layers_compute_what_the_per_layer_loop_does():
         (loop.logits, loop.kv, loop.routes, loop.router_choice, loop.records),
         (scan.logits, scan.kv, scan.routes, scan.router_choice, scan.records),
     )
-    # codes at every site (dense layer 0: K, V; MoE layers 1-5: 4 sites), guidance at layers 3-5
-    assert len(scan.records) == 2 + 5 * 4 + 3 * 4
+    # codes at every site (dense layer 0: K, V; MoE layers 1-4: 4 sites), guidance at layers 3-4
+    assert len(scan.records) == 2 + 4 * 4 + 2 * 4
     guidance = {k: v for k, v in loop.records.items() if not k.endswith(".codes")}
 
     def loss(params, scan_layers):
