@@ -230,7 +230,8 @@ def test_fused_append_equals_append_then_attend(fmt, tensor_cores, window):
     """``decode_attention_append`` writes the same bytes as ``kv_append_many`` and attends as
     ``decode_attention`` over the written cache (the new token included where it was taken);
     with ``tensor_cores``, the Mosaic GPU kernel writes them (shapes it takes)."""
-    b, s, hkv, hq, d = 4, 32, 2, 8, 32
+    # POISONED: the other tests' draws, quantization and reference programs serve these
+    b, s, hkv, hq, d = POISONED
     if tensor_cores:  # 64-slot steps, 16-byte rows of scales
         s, hkv, hq, d = 128, 4, 16, 64 if fmt == "nvfp4" else 128
     q, k_buf, v_buf = kc.attn_inputs(fmt, b, s, hkv, hq, d, seed=11)
