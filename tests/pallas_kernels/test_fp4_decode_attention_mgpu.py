@@ -43,8 +43,17 @@ def _run(q, k, v, lengths, window=None, cfg=CFG, interpret=True):
             [128, 65],
             fm.MgpuAttentionConfig(num_splits=1, stages=1, overlap_v=True),
         ),
-        # more splits than steps; 3 buffers; p rounded to bf16 once
-        (2, 256, 4, 8, 64, [3, 250], fm.MgpuAttentionConfig(num_splits=3, stages=3, p_parts=1)),
+        # more splits than steps; 3 buffers; p rounded to bf16 once (test_sliding_window's
+        # shapes: one draw program for both)
+        (
+            3,
+            256,
+            4,
+            8,
+            64,
+            [3, 250, 129],
+            fm.MgpuAttentionConfig(num_splits=3, stages=3, p_parts=1),
+        ),
     ],
 )
 def test_matches_reference_with_poisoned_stale_slots(b, s, hkv, hq, d, lens, cfg):
@@ -71,7 +80,9 @@ def test_scores_spanning_many_binades():
 @pytest.mark.parametrize("window", [None, 30])
 def test_mxfp4_matches_reference_with_poisoned_stale_slots(window):
     # NaN bytes (0xFF) in stale slots' E8M0 scales too: they must decode to finite values
-    b, s, hkv, hq, d, lens = 3, 192, 4, 16, 128, [1, 192, 100]
+    # (the shapes of test_matches_reference_with_poisoned_stale_slots' first case: one draw
+    # program for both)
+    b, s, hkv, hq, d, lens = 4, 192, 4, 16, 128, [1, 192, 100, 37]
     q, k, v = kc.attn_inputs("mxfp4", b, s, hkv, hq, d, seed=21)
     lengths = jnp.array(lens, jnp.int32)
     lo = None if window is None else jnp.maximum(lengths - window, 0)
