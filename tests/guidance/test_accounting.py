@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from shapes import MODEL, PROMPTS, ROLLOUT, rollout_config
 
 from trace_jax import fp4
 from trace_jax.guidance import (
@@ -90,19 +91,21 @@ def test_model_accounting_matches_the_engines_record_buffers(fmt):
     from flax import nnx
 
     from trace_jax.guidance import model_guidance_bytes
-    from trace_jax.model import ModelConfig, QuantPolicy, Transformer
-    from trace_jax.rollout import RolloutConfig, RolloutEngine
+    from trace_jax.model import QuantPolicy, Transformer
+    from trace_jax.rollout import RolloutEngine
 
-    cfg = ModelConfig.preset("tiny")
     policy = QuantPolicy.rollout(fmt)
-    model = Transformer(cfg, nnx.Rngs(0))
+    model = Transformer(MODEL, nnx.Rngs(0))
 
     def record_bytes(max_len):
-        eng = RolloutEngine(model, policy, RolloutConfig(max_len=max_len, kv_cache=fmt))
-        return sum(g.nbytes for g in eng.start(1).guidance.values())
+        eng = RolloutEngine(model, policy, rollout_config(fmt, max_len=max_len))
+        return sum(g.nbytes for g in eng.start(len(PROMPTS)).guidance.values())
 
-    # per token: the difference of two buffer lengths (per-tensor placeholders cancel)
-    assert record_bytes(9) - record_bytes(8) == model_guidance_bytes(cfg, policy).compact
+    # per token of each sequence: the difference of two buffer lengths (per-tensor placeholders
+    # cancel); of tests/shapes.py's engine and one with a slot more (NVFP4: the rollout tests'
+    # empty state, its program)
+    more = record_bytes(ROLLOUT.max_len + 1) - record_bytes(ROLLOUT.max_len)
+    assert more == len(PROMPTS) * model_guidance_bytes(MODEL, policy).compact
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b"])

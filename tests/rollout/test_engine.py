@@ -7,20 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from shapes import MODEL, PROMPTS, ROLLOUT, rollout_config
 
 from trace_jax import fp4
 from trace_jax.guidance import GuidanceCache, GuidanceVersionError
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model import QuantPolicy, Transformer
 from trace_jax.model.sharding import commit
 from trace_jax.rl.diagnostics import guidance_of, mismatch_report, train_policy, trainer_forward
 from trace_jax.rl.metrics import signed_code_index, token_logprobs
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 
-CFG = ModelConfig.preset("tiny")
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-# One engine shape for the tests that need no other: engines of equal configs share compiled
-# programs (through the persistent compilation cache), and compiling dominates these tests.
-SHAPE = dict(max_len=32, max_new_tokens=8)  # room for the multi-turn test's two turns
+# tests/shapes.py's engine shapes for the tests that need no other: engines of equal configs share
+# compiled programs (through the persistent compilation cache), and compiling dominates these tests.
+CFG = MODEL
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def bf16_logits(model, tokens, lengths):
 
 @pytest.mark.parametrize("kv, tol", [("bf16", 2e-3), ("fp8", 2e-2)])
 def test_bf16_and_fp8_cache_decode_matches_a_full_forward(model, kv, tol):
-    eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE, kv_cache=kv))
+    eng = RolloutEngine(model, QuantPolicy.bf16(), rollout_config(kv))
     state = eng.generate(PROMPTS, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(state.lengths), [len(p) + 8 for p in PROMPTS])
     np.testing.assert_array_equal(np.asarray(state.generated.sum(1)), [8, 8, 8])
@@ -63,7 +62,7 @@ def test_fp4_cache_requires_matching_kv_sites(model):
 
 
 def test_generation_is_deterministic_given_the_key_and_greedy_is_argmax(model):
-    cfg = RolloutConfig(**SHAPE)
+    cfg = ROLLOUT
     eng = RolloutEngine(model, QuantPolicy.bf16(), cfg)
     a = eng.generate(PROMPTS, jax.random.key(3))
     b = eng.generate(PROMPTS, jax.random.key(3))
@@ -111,7 +110,7 @@ def test_stop_tokens_end_each_sequence_separately(model):
 
 
 def test_overflowing_max_len_is_refused(model):
-    eng = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE))
+    eng = RolloutEngine(model, QuantPolicy.bf16(), ROLLOUT)
     with pytest.raises(ValueError, match=r"prompt lengths must be in 1\.\.31"):
         eng.generate([[1] * 32], jax.random.key(0))
     state = eng.generate(PROMPTS, jax.random.key(0))  # lengths 11, 15, 9
@@ -124,7 +123,7 @@ def test_overflowing_max_len_is_refused(model):
 def test_multi_turn_keeps_cache_and_records_aligned(model, fmt):
     policy = QuantPolicy.rollout(fmt)
     # the module's engine shape: nvfp4 shares the programs of the other rollout-policy tests
-    eng = RolloutEngine(model, policy, RolloutConfig(**SHAPE, kv_cache=fmt))
+    eng = RolloutEngine(model, policy, rollout_config(fmt))
     state = eng.generate(PROMPTS, jax.random.key(6))
     # Observations of 3, 1 and 2 tokens, right-padded to the prompts' chunk width (8): the
     # prefill's program appends them.
@@ -140,13 +139,13 @@ def test_multi_turn_keeps_cache_and_records_aligned(model, fmt):
         n = int(env_valid[b].sum())
         np.testing.assert_array_equal(tokens[b, before[b] : before[b] + n], np.asarray(env[b, :n]))
         assert not gen[b, before[b] : before[b] + n].any()
-        assert gen[b].sum() == 2 * SHAPE["max_new_tokens"]
+        assert gen[b].sum() == 2 * ROLLOUT.max_new_tokens
     # Every generated token's log-prob still matches a full forward over the whole sequence,
     # its K/V fake-quantized as the FP4 cache stores them (the FP4 caches' decode test).
     out, _ = full_forward(model, state, QuantPolicy.qat(fmt))
     diff = np.abs(np.asarray(token_logprobs(out.logits, state.tokens) - state.logprobs))[gen]
     assert diff.max() < 1e-4, diff.max()
-    bf16 = RolloutEngine(model, QuantPolicy.bf16(), RolloutConfig(**SHAPE)).start(3)
+    bf16 = RolloutEngine(model, QuantPolicy.bf16(), ROLLOUT).start(3)
     assert state.cache.nbytes < bf16.cache.nbytes / 3
     # Guidance slots line up with tokens: replaying it reproduces the rollout exactly.
     trained, _ = full_forward(
@@ -269,7 +268,7 @@ def test_per_tensor_nvfp4_activation_scales_are_recorded_per_slot_and_guide_the_
     rollout's codes."""
     model = Transformer(CFG.replace(num_layers=1), nnx.Rngs(0))
     kw = dict(guided_layers="all", record_codes=True, act_global_scale="tensor")
-    eng = RolloutEngine(model, QuantPolicy.rollout(**kw), RolloutConfig(**SHAPE, kv_cache="bf16"))
+    eng = RolloutEngine(model, QuantPolicy.rollout(**kw), rollout_config("bf16"))
     state = eng.generate(PROMPTS, jax.random.key(3))
     policy = QuantPolicy.trace(**kw)
     out = trainer_forward(model, state, policy)
@@ -285,11 +284,10 @@ def test_engines_built_alike_share_programs_and_use_their_own_weights(model):
     """Equal engine settings share compiled steps; each still decodes with its own weights."""
     other = Transformer(CFG, nnx.Rngs(5))
     a, b = (
-        RolloutEngine(m, QuantPolicy.rollout(), RolloutConfig(**SHAPE, kv_cache="nvfp4"))
-        for m in (model, other)
+        RolloutEngine(m, QuantPolicy.rollout(), rollout_config("nvfp4")) for m in (model, other)
     )
     assert a == b and hash(a) == hash(b)
-    assert a != RolloutEngine(model, QuantPolicy.qat(), RolloutConfig(**SHAPE, kv_cache="nvfp4"))
+    assert a != RolloutEngine(model, QuantPolicy.qat(), rollout_config("nvfp4"))
     key = jax.random.key(4)
     got = [e.generate(PROMPTS, key).logprobs for e in (a, b)]
     a.update_params(other)
@@ -306,7 +304,7 @@ def test_a_scanned_prefill_gives_the_per_layer_engines_rollout(model, monkeypatc
     monkeypatch.setattr(
         Transformer, "_scan_run", lambda self, *a: runs.append(a[:2]) or scan_run(self, *a)
     )
-    policy, cfg = QuantPolicy.rollout(), RolloutConfig(**SHAPE, kv_cache="nvfp4")
+    policy, cfg = QuantPolicy.rollout(), rollout_config("nvfp4")
     states = [RolloutEngine(model, policy, cfg).generate(PROMPTS, jax.random.key(4))]
     # the scanned engine's steps traced here, not taken from an earlier test (the worker's
     # other programs stay: jax.clear_caches() would make later tests compile them again)

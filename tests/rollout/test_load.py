@@ -10,23 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from shapes import MODEL, PROMPTS, rollout_config
 
 from pallas_kernels.layouts import Fp4Weight
 from trace_jax import fp4
 from trace_jax.config import ConfigError
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer, load_hf_checkpoint
+from trace_jax.model import QuantPolicy, Transformer, load_hf_checkpoint
 from trace_jax.model.hf import save_hf_checkpoint
-from trace_jax.rollout import RolloutConfig, RolloutEngine, load
+from trace_jax.rollout import RolloutEngine, load
 from trace_jax.rollout.engine import prepack_expert_weights, quantize_expert_weights
 
 # 2 layers: building the rollout form runs eagerly, layer by layer (the engine test excepted)
-CFG = ModelConfig.preset("tiny").replace(num_layers=2)
+CFG = MODEL.replace(num_layers=2)
 POLICY = QuantPolicy.rollout("nvfp4")
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-SHAPE = dict(max_len=32, max_new_tokens=8)  # tests/rollout/test_engine.py's engine shape
-ROLLOUT = {
-    "xla": RolloutConfig(**SHAPE, kv_cache="nvfp4"),
-    "pallas": RolloutConfig(**SHAPE, kv_cache="nvfp4", backend="pallas"),
+ROLLOUT = {  # tests/shapes.py's engine shape
+    "xla": rollout_config("nvfp4"),
+    "pallas": rollout_config("nvfp4", backend="pallas"),
 }
 
 
@@ -81,8 +80,8 @@ def test_sharded_checkpoint_loads_straight_into_the_rollout_form(model, tmp_path
 
 def test_engine_generates_the_same_tokens_and_logprobs():
     # one engine (one compiled program), given the BF16 model, then the layer-by-layer one; of
-    # the tiny preset's 4 layers: tests/rollout/test_engine.py's rollout engine, its programs
-    cfg = ModelConfig.preset("tiny")
+    # the tiny preset's 4 layers: tests/shapes.py's rollout engine, its programs
+    cfg = MODEL
     rollout = ROLLOUT["xla"]
     engine = RolloutEngine(Transformer(cfg, nnx.Rngs(0)), POLICY, rollout)
     key = jax.random.key(3)
@@ -96,7 +95,7 @@ def test_engine_generates_the_same_tokens_and_logprobs():
     got = engine.generate(PROMPTS, key)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
-    assert np.asarray(got.generated).sum() == 3 * SHAPE["max_new_tokens"]
+    assert np.asarray(got.generated).sum() == 3 * ROLLOUT["xla"].max_new_tokens
 
 
 def test_never_holds_every_layer_unpacked(monkeypatch):
