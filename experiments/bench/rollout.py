@@ -647,6 +647,11 @@ def _variants(engine_spec: Engine, hits: set) -> dict[str, list]:
     return out
 
 
+def _drop_step_programs() -> None:
+    RolloutEngine._append.clear_cache()
+    RolloutEngine._decode.clear_cache()
+
+
 def profile(model, engine_spec: Engine, cfg: ModelConfig, args, batch: int) -> list[dict]:
     """Per-part ms of one decode step at ``--profile-position`` (module docstring)."""
     position = args.profile_position or args.prompt + min(args.gens) // 2
@@ -660,8 +665,7 @@ def profile(model, engine_spec: Engine, cfg: ModelConfig, args, batch: int) -> l
         # Engines built alike share compiled programs: each variant must be traced anew with
         # its stand-in, so the engine's steps keep no program of the last one (the process's
         # other programs stay: a stand-in is reached only from these steps, checked below).
-        RolloutEngine._append.clear_cache()
-        RolloutEngine._decode.clear_cache()
+        _drop_step_programs()
         with _patched(patches):
             eng = RolloutEngine(model, engine_spec.policy, rollout)
             t = time_window(eng, batch, position, args.repeats, args.seed)
@@ -670,6 +674,7 @@ def profile(model, engine_spec: Engine, cfg: ModelConfig, args, batch: int) -> l
         if isinstance(t, str) and name == "full":
             raise RuntimeError(f"profile: the full step failed its check: {t}")
         times[name] = t * 1e3 if not isinstance(t, str) else math.nan
+    _drop_step_programs()  # nor does a later engine built alike run the last ablated step
     full = times["full"]
     parts = {p: full - times[p] for p in PARTS if p in times}
     if (

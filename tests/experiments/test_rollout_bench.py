@@ -8,6 +8,7 @@ from flax import nnx
 from experiments.bench import rollout
 from trace_jax.model import ModelConfig
 from trace_jax.rollout import RolloutEngine
+from trace_jax.rollout import engine as engine_module
 
 TINY = ["--preset", "tiny", "--layers", "1", "--batches", "2", "--prompt", "4", "--window", "2"]
 # The FP4 engine of the window runs, the profile and the row that does not fit: their decode
@@ -93,6 +94,14 @@ def test_profile_reaches_every_stand_in(monkeypatch):
     assert parts == ["step", *rollout.PARTS, "rest"]
     assert len(times) == 1 + len(rollout.PARTS)  # the full step, then each ablation
     assert res["profile"][0]["ms"] == 1e3 * times[0] > 0
+    # a later engine built alike traces its own step (no ablated one stays cached for it)
+    sampled, sample = [], engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", lambda *a: sampled.append(1) or sample(*a))
+    spec, args = rollout.ENGINES[ENGINE], rollout.parse_args(args)
+    model = rollout.build_model(rollout.model_config(args), spec, "triton", 0)
+    eng = RolloutEngine(model, spec.policy, spec.rollout(4 + 8, 2, "triton"))
+    jax.eval_shape(eng.decode, rollout._synthetic(eng, 2, 8, jax.random.key(0)), jax.random.key(0))
+    assert sampled
 
 
 def test_what_does_not_fit_is_a_row_of_its_own(monkeypatch):
