@@ -30,13 +30,15 @@ def _case(sizes, k, n, fmt, seed, extra_rows=0):
     return x, fp4.quantize(jnp.asarray(w), fmt, axis=1), jnp.asarray(sizes)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize(
-    "sizes",
+    ("fmt", "sizes"),
+    # the format enters through the weight loads and their decode, not through the routing
+    # (the row blocks, the padding of x): MXFP4 on the first routing
     [
-        [5, 0, 19, 3],  # an empty expert, and one spanning two row blocks
-        [0, 0, 37, 0, 1],  # mostly empty; 37 rows = three row blocks, the last partial
-        [2, 1],  # fewer rows than one row block (x is padded)
+        ("nvfp4", [5, 0, 19, 3]),  # an empty expert, and one spanning two row blocks
+        ("mxfp4", [5, 0, 19, 3]),
+        ("nvfp4", [0, 0, 37, 0, 1]),  # mostly empty; 37 rows = three row blocks, the last partial
+        ("nvfp4", [2, 1]),  # fewer rows than one row block (x is padded)
     ],
 )
 def test_matches_ragged_dot(fmt, sizes):

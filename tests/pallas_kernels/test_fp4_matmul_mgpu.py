@@ -25,6 +25,7 @@ def _weights(k, n, seed=1, scale=0.05, global_scale="tensor"):
 
 
 _SHORT = fmm.MgpuMatmulConfig(block_k=256, stages=4)  # one step at K = 256
+_TWO_OF_3 = fmm.MgpuMatmulConfig(block_k=128, stages=3)  # two steps at K = 256, a spare buffer
 _PACKED = {}
 # the references as one program per shape (eager, each of their ops compiled on its own)
 _reference = jax.jit(fm.fp4_matmul_reference)
@@ -48,8 +49,8 @@ def test_identity_rows_recover_dequantize_exactly():
     # the decode, and the result must be fp4.dequantize's value, rounded once to bf16.
     k, n = 256, 128
     qt = _weights(k, n)
-    cfg = fmm.MgpuMatmulConfig(block_k=128, stages=2)
-    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), cfg, interpret=True)
+    # (the default config for 17-128 rows where N < 256 x 132: test_tall_default_configs_run)
+    y = fmm.fp4_matmul_mgpu(jnp.eye(k, dtype=jnp.bfloat16), _packed(qt), _TWO_OF_3, interpret=True)
     expected = fp4.dequantize(qt, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
     assert set(np.unique(np.asarray(fp4.unpacked_codes(qt)))) >= set(range(16)) - {8}
@@ -132,7 +133,9 @@ def test_w4a4_through_fp4_matmul_w4a4():
     "cfg",
     [
         fmm.MgpuMatmulConfig(block_k=64, stages=2),
-        fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2),
+        # (two warpgroups: each scales its own tile's sums in `finish`, the one-warpgroup
+        # case's code per tile; their sums: test_matches_reference's warpgroups=2 cases;
+        # lowered for CUDA: test_lowers_for_cuda's W4A4 case)
         fmm.MgpuMatmulConfig(block_k=64, stages=2, split_k=2, split_in="warpgroups"),
     ],
 )
@@ -292,27 +295,26 @@ def _experts(e, k, n, seed=1, scale=0.05):
     [
         # empty experts, a group spanning several blocks, rows past the sum of the sizes
         ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, stages=2, block_m=8)),
+        # leading empty experts, 64-element steps, 16-row blocks
         ((0, 0, 3, 0, 0, 0), 3, 256, fmm.MgpuMatmulConfig(block_k=64, stages=3, block_m=16)),
-        ((2, 7, 0, 9, 1, 3), 22, 256, None),
-        # the plan in a Triton kernel (the default prologue); whole 8-row tiles, so x is not
-        # padded and the last windows reach past its rows; rows past the routed ones zeroed by
-        # the kernel
-        ((5, 0, 11, 8), 24, 256, fmm.MgpuMatmulConfig(block_k=128)),
-        # (leading empty experts with 64-element steps and this prologue: the second case)
-        ((4, 9, 0), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2)),
-        # the plan in XLA ops, x padded for every window, unrouted rows zeroed after the kernel
-        # (its pipeline is the kernel prologue's; 64-element steps with it: the last case)
-        ((5, 0, 19, 1, 0, 4), 31, 256, fmm.MgpuMatmulConfig(block_k=128, prologue="xla")),
+        ((2, 7, 0, 9, 1, 3), 22, 256, None),  # the default: one 256-element step
         # two warpgroups: 128 columns per program sharing each activation tile; an odd number
-        # of K steps in the second
-        ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=64, stages=2, warpgroups=2)),
+        # of K steps (their refills after both consumed a buffer: the wg2 tiles=2 case below)
         ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=3, warpgroups=2)),
         # groups of tiles one after another on one pipeline: refills across the groups, an odd
         # step count per group, two warpgroups, the unrouted rows of every tile zeroed
-        ((3, 0, 12, 6), 21, 256, fmm.MgpuMatmulConfig(block_k=128, stages=3, tiles=2)),
         ((4, 9), 13, 192, fmm.MgpuMatmulConfig(block_k=64, stages=2, tiles=3)),
-        ((5, 2, 9), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, tiles=2)),
+        # whole 8-row tiles: x not padded, the last windows reach past its rows; the rows past
+        # the routed ones zeroed by the kernel's two warpgroups
+        ((5, 2, 7), 16, 128, fmm.MgpuMatmulConfig(block_k=64, warpgroups=2, tiles=2)),
+        # the plan in XLA ops, x padded for every window, unrouted rows zeroed after the kernel
         ((0, 7, 0, 9, 1, 3), 22, 128, fmm.MgpuMatmulConfig(block_k=64, tiles=2, prologue="xla")),
+        # Run elsewhere (each a path of a case above): one warpgroup, whole tiles read past
+        # x's end (the tiles=2 case: the same window copy in `issue`); the XLA plan with one
+        # tile per program (the first case's pipeline; the last case's prologue); two
+        # warpgroups refilling across 4 steps on 2 buffers (the wg2 tiles=2 case: 2 groups of
+        # 2 steps); tiles=2 with 128-element steps (clamped to 2 buffers for 2 steps: the
+        # last case's pipeline).
     ],
 )
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu, id="gpu")])
@@ -370,7 +372,10 @@ def test_grouped_prepack_and_bad_inputs():
 
 
 @pytest.mark.parametrize(
-    ("experts", "rows", "block_m"), [(128, 128, 8), (128, 2048, 64), (6, 31, 16), (60, 200, 8)]
+    ("experts", "rows", "block_m"),
+    # (128 experts on 8-row blocks: the power-of-two E of the 2048-row case, the blocks of
+    # the 60-expert case)
+    [(128, 2048, 64), (6, 31, 16), (60, 200, 8)],
 )
 def test_grouped_plan_kernel_equals_xla_plan(experts, rows, block_m):
     # random routings (empty experts, one expert with every row, fewer rows routed than
@@ -493,20 +498,28 @@ def test_decode_default_splits_k_on_warpgroups():
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "warpgroups", "run"),
-    # (40, 64)'s default (one 256-element step) is test_matches_reference's 16-row case's
-    # config: run there
-    [(40, 128, 1, True), (40, 64, 1, False), (200, 64, 1, True), (200, 128, 2, True)],
+    ("m", "n", "warpgroups", "ran"),
+    # where `ran` names a config, the default must be it, and it runs elsewhere on these
+    # shapes' K and N: one 256-element step (test_matches_reference's 16-row case); two
+    # 128-element steps on 3 buffers (test_identity_rows_recover_dequantize_exactly's first
+    # kernel); the same on two warpgroups (test_mxfp4_matches_reference[False]'s default for
+    # its 256 identity rows)
+    [
+        (40, 128, 1, _TWO_OF_3),
+        (40, 64, 1, _SHORT),
+        (200, 64, 1, None),
+        (200, 128, 2, fmm.default_config(256, 256, 128)),
+    ],
 )
-def test_tall_default_configs_run(m, n, warpgroups, run):
+def test_tall_default_configs_run(m, n, warpgroups, ran):
     # 17-256 rows: two warpgroups where N has whole 128-row tiles, except for up to 128 rows
     # where that leaves fewer programs than SMs; the default fits shared memory
     k = 256
     cfg = fmm.default_config(m, k, n)
     assert cfg.warpgroups == warpgroups
     assert fmm._smem_bytes(cfg, cfg.stages, fmm._round_up(m, 8)) <= fmm._SMEM_LIMIT
-    if not run:
-        assert cfg == _SHORT
+    if ran is not None:
+        assert cfg == ran
         return
     qt = _weights(k, n)
     x = random_x(m, k, seed=24)
@@ -541,7 +554,7 @@ def test_oversized_config_is_refused():
     [
         (16, None),
         (13, None),  # the token-major copy of 13 of the 16 padded rows
-        (64, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
+        # (this config at 64 rows: the 200-row case's and the W4A4 case's, at 40 rows)
         (256, fmm.MgpuMatmulConfig(block_k=64, stages=4, warpgroups=2)),
         (200, fmm.MgpuMatmulConfig(block_k=128, stages=3, warpgroups=2)),
         (1, fmm.MgpuMatmulConfig(block_k=256, stages=3, split_k=2, decode="none")),
