@@ -180,15 +180,20 @@ def test_gemv_word_layout_decodes_to_dequantize(fmt, block_k):
     np.testing.assert_array_equal(sback.reshape(n, -1), np.asarray(w.scales))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+_GEMV_CONFIGS = [
+    (None, None),  # the dispatcher's choice for one token and a prepacked weight
+    (fmv.Fp4GemvConfig(block_n=32, split_k=1, num_warps=2, prefetch=0), 32),
+    (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2, prefetch=2), 16),
+    (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2), 0),
+]
+
+
 @pytest.mark.parametrize(
-    ("cfg", "layout_n"),
-    [
-        (None, None),  # the dispatcher's choice for one token and a prepacked weight
-        (fmv.Fp4GemvConfig(block_n=32, split_k=1, num_warps=2, prefetch=0), 32),
-        (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2, prefetch=2), 16),
-        (fmv.Fp4GemvConfig(block_n=16, block_k=128, split_k=2), 0),
-    ],
+    ("fmt", "cfg", "layout_n"),
+    # every config in NVFP4; MXFP4 (its blocks per step and scale decode) except with no
+    # prefetch (the loop without loads ahead reads the format as the others do; its row
+    # tiles: the 16-row case)
+    [("nvfp4", *c) for c in _GEMV_CONFIGS] + [("mxfp4", *_GEMV_CONFIGS[i]) for i in (0, 2, 3)],
 )
 def test_gemv_matches_reference(fmt, cfg, layout_n):
     k, n = 512, 64
