@@ -91,7 +91,7 @@ def test_array_weights_are_plain_ragged_dot():
     [[13, 0, 26, 1], [0, 0, 40, 0], [17, 5, 0, 33, 1, 0, 2, 70]],
     ids=["some", "one", "eight"],
 )
-def test_grouped_matmul_gradients_by_blocks_equal_ragged_dots(sizes):
+def test_grouped_matmul_gradients_by_blocks_equal_ragged_dots(sizes, monkeypatch):
     """The block-by-block backward (no E-times dense expansion) gives ragged_dot's gradients."""
     gs = jnp.asarray(sizes, jnp.int32)
     m, k, n = int(gs.sum()), 48, 24
@@ -112,6 +112,20 @@ def test_grouped_matmul_gradients_by_blocks_equal_ragged_dots(sizes):
     np.testing.assert_array_equal(
         np.asarray(layers.grouped_matmul(x, w, gs)), np.asarray(jax.lax.ragged_dot(x, w, gs))
     )
+    # The forward by blocks (taken above _DENSE_FORWARD_BYTES): the dense reference, expert by
+    # expert, and no ragged_dot (its [M, E * N] product) left in the program.
+    y = np.concatenate(
+        [
+            np.asarray(x)[a:b] @ np.asarray(w)[e]
+            for e, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
+    )
+    np.testing.assert_allclose(np.asarray(_blocked(x, w, gs)), y, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layers, "_DENSE_FORWARD_BYTES", 0)
+    assert "ragged_dot" not in str(jax.make_jaxpr(layers.grouped_matmul)(x, w, gs))
+
+
+_blocked = jax.jit(layers.blocked_matmul)
 
 
 @jax.jit
