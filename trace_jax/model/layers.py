@@ -159,11 +159,16 @@ def blocked_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     Returns:
       [M, N] float32; memory of the order of M * (K + N) plus one [K, N] weight per block.
     """
-    m, k = x.shape
-    dest, block_expert, blocks, size = _block_layout(group_sizes, m)
-    xp = jnp.zeros((blocks * size, k), x.dtype).at[dest].set(x).reshape(blocks, size, k)
+    dest, block_expert, blocks, size = _block_layout(group_sizes, x.shape[0])
+    xp = _to_blocks(x, dest, blocks, size)
     out = jnp.einsum("bmk,bkn->bmn", xp, w[block_expert], preferred_element_type=jnp.float32)
     return out.reshape(blocks * size, -1)[dest]
+
+
+def _to_blocks(a: jax.Array, dest: jax.Array, blocks: int, size: int) -> jax.Array:
+    """Rows [M, C] to their slots ``dest`` of ``blocks`` blocks of ``size`` rows, zero-padded:
+    [blocks, size, C]."""
+    return jnp.zeros((blocks * size, a.shape[1]), a.dtype).at[dest].set(a).reshape(blocks, size, -1)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes):
@@ -174,10 +179,8 @@ def _grouped_matmul_bwd(res, g):
     x, w, group_sizes = res
     m, k = x.shape
     dest, block_expert, blocks, size = _block_layout(group_sizes, m)
-    g = g.astype(jnp.float32)
-    gp = jnp.zeros((blocks * size, g.shape[1]), g.dtype).at[dest].set(g)
-    gp = gp.reshape(blocks, size, -1)
-    xp = jnp.zeros((blocks * size, k), x.dtype).at[dest].set(x).reshape(blocks, size, k)
+    gp = _to_blocks(g.astype(jnp.float32), dest, blocks, size)
+    xp = _to_blocks(x, dest, blocks, size)
     w_blocks = w[block_expert].astype(jnp.float32)  # [blocks, K, N]
     dx = jnp.einsum("bmn,bkn->bmk", gp, w_blocks).reshape(-1, k)[dest]
     per_block = jnp.einsum("bmk,bmn->bkn", xp.astype(jnp.float32), gp)
