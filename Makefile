@@ -30,7 +30,15 @@ unexport PYTHONDONTWRITEBYTECODE
 # What the suite's processes import, byte-compiled once at install (while the reference
 # environment installs beside it).
 WARM_IMPORTS := import jax, flax.nnx, optax, orbax.checkpoint, grain, tensorstore, safetensors, \
-	tokenizers, matplotlib.pyplot, pytest, hypothesis, trace_jax.rl.loop, experiments.runner
+	tokenizers, matplotlib.pyplot, pytest, hypothesis, ipykernel.kernelapp, nbclient, nbmake, \
+	trace_jax.rl.loop, experiments.runner
+
+# (the reference scripts' imports: tests/fp4/reference_torchao.py, tests/model/hf_reference.py and
+# reference_compressed_tensors.py, which run in three processes)
+REF_WARM_IMPORTS := import torch, safetensors.torch, torchao.prototype.mx_formats.nvfp4_tensor, \
+	torchao.prototype.mx_formats.mx_tensor, compressed_tensors.compressors, \
+	compressed_tensors.quantization.lifecycle.forward, transformers.models.qwen3_moe.modeling_qwen3_moe, \
+	transformers.models.qwen2_moe.modeling_qwen2_moe
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "python3.12 not found (set PYTHON312=/path/to/python3.12)"; exit 1; }
@@ -44,6 +52,7 @@ $(REF_VENV)/.installed: Makefile
 	@test -n "$(PYTHON311)" || { echo "python3.11 not found (set PYTHON311=/path/to/python3.11)"; exit 1; }
 	test -x $(REF_VENV)/bin/python || $(PYTHON311) -m venv $(REF_VENV)
 	$(REF_VENV)/bin/python -m pip install -q --no-compile $(REF_PACKAGES)
+	$(REF_VENV)/bin/python -c "$(REF_WARM_IMPORTS)"
 	touch $@
 
 ref-env: $(REF_VENV)/.installed
