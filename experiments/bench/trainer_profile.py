@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.profiler import ProfileData
 
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer, layers
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLBatch, Trainer
 
@@ -106,7 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile-calls", type=int, default=2)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--expert-matmul",
+        choices=("blocked", "mgpu"),
+        default="blocked",
+        help="the experts' matmul: the trainer's (blocked) or JAX's Hopper kernels (GPU only)",
+    )
     args = parser.parse_args(argv)
+    if args.expert_matmul == "mgpu":
+        from experiments.bench.grouped_matmul import mgpu_grouped_matmul
+
+        layers.grouped_matmul = mgpu_grouped_matmul  # what expert_matmul calls
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers)
@@ -127,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     t_grad = median_seconds(gradient, args.repeats)
     device = jax.devices()[0].device_kind
     print(
-        f"{args.preset} ({cfg.num_layers} layers), {args.policy}, {args.seq} slots a sequence, "
+        f"{args.preset} ({cfg.num_layers} layers), {args.policy}, experts' matmul "
+        f"{args.expert_matmul}, {args.seq} slots a sequence, "
         f"{device}; median of {args.repeats}:\n"
         f"  score, {args.batch} sequences: {t_score * 1e3:.1f} ms\n"
         f"  gradient, {args.minibatch} sequences: {t_grad * 1e3:.1f} ms",
