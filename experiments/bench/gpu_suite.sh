@@ -47,7 +47,8 @@ STEPS=(
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
   # RL (the entry point needs the wheels of ../shared/tools/gpu-wheels; run dirs in runs/)
   "rl-mismatch-small|400|for b in xla pallas; do $RUN configs/trace_mismatch.yaml model=small batch=32 prompt_len=16 max_new_tokens=64 backend=\$b plot=false --run-dir runs/mismatch-\$b; done"
-  # the trainer's expert matmuls at `medium` (a 64-sequence minibatch, a 512-sequence one): the blocked XLA form against JAX's Hopper ragged_dot kernels
+  # the trainer's expert matmuls at `medium` (a 64-sequence minibatch, a 512-sequence one): the
+  # blocked XLA form against JAX's Hopper ragged_dot kernels
   "trainer-matmul|240|$PY $BENCH/grouped_matmul.py --preset medium --tokens 4352,34816"
   # the trainer's scoring pass and one 64-sequence gradient at `medium`, timed, then op by op
   "trainer-profile|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
