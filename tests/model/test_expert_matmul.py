@@ -140,3 +140,28 @@ def _gradients(x, w, gs, cot):
         return jax.grad(lambda x, w: loss(fn, x, w), argnums=(0, 1))(x, w)
 
     return grads(layers.grouped_matmul), grads(jax.lax.ragged_dot)
+
+
+def test_grouped_matmul_bf16_gradients_accumulate_in_float32():
+    """BF16 operands: output, input and weight gradients are the float32-accumulated products
+    rounded once to BF16 (against float64 sums of the same BF16 values; a BF16 accumulation
+    over K = 256 terms of unit size errs by ~0.05, the tolerance here is 1e-3 plus one ulp)."""
+    sizes = [40, 0, 88]
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k, n = sum(sizes), 256, 32
+    rng = np.random.default_rng(7)
+    x, w, cot = (
+        jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+        for shape in ((m, k), (len(sizes), k, n), (m, n))
+    )
+    y, vjp = jax.vjp(lambda x, w: layers.grouped_matmul(x, w, gs), x, w)
+    dx, dw = vjp(cot)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    xs, ws, cs = (np.asarray(a, np.float64) for a in (x, w, cot))
+    bounds = list(itertools.pairwise(np.cumsum([0, *sizes])))
+    expert = np.repeat(np.arange(len(sizes)), sizes)
+    want_y = np.einsum("mk,mkn->mn", xs, ws[expert])
+    want_dx = np.einsum("mn,mkn->mk", cs, ws[expert])
+    want_dw = np.stack([xs[a:b].T @ cs[a:b] for a, b in bounds])
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-3)

@@ -120,13 +120,13 @@ def expert_matmul(
         return fp4_grouped_linear(x, w, group_sizes)
     if isinstance(w, fp4.QTensor):
         w = fp4.dequantize(w, x.dtype)
-    return grouped_matmul(x, w.astype(x.dtype), group_sizes).astype(x.dtype)
+    return grouped_matmul(x, w.astype(x.dtype), group_sizes)
 
 
 @jax.custom_vjp
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``ragged_dot(x [M, K], w [E, K, N], group_sizes [E])`` -> [M, N] float32, with gradients
-    computed block by block (``_block_layout``).
+    """``ragged_dot(x [M, K], w [E, K, N], group_sizes [E])`` -> [M, N] in x's dtype, accumulated
+    in float32, with gradients computed block by block (``_block_layout``).
 
     XLA's own ragged_dot gradients lower, on the GPU, to dense dots over zero-padded copies with
     E times the rows (the weight gradient always): a trainer step of the ``medium`` preset then
@@ -137,11 +137,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     ``_DENSE_FORWARD_BYTES`` (a trainer's batch: the ``medium`` preset's scoring pass of 1,024
     sequences asked for 64 GiB), the forward runs block by block too; below it (decode steps,
     small batches) ragged_dot, which reads each expert's weights once.
+
+    The output is rounded to x's dtype here, so the backward's cotangent arrives in it: with
+    BF16 x and w, every backward product is of BF16 operands (exact in float32) accumulated in
+    float32, as the forward's, at the tensor cores' BF16 rate.
     """
     m, n = x.shape[0], w.shape[-1]
     if m * w.shape[0] * n * 4 > _DENSE_FORWARD_BYTES:
-        return blocked_matmul(x, w, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+        return blocked_matmul(x, w, group_sizes).astype(x.dtype)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 # Above this size of ragged_dot's dense [M, E * N] float32 product, the forward goes by blocks.
@@ -178,14 +182,15 @@ def _grouped_matmul_fwd(x, w, group_sizes):
 def _grouped_matmul_bwd(res, g):
     x, w, group_sizes = res
     m, k = x.shape
+    f32 = jnp.float32
     dest, block_expert, blocks, size = _block_layout(group_sizes, m)
-    gp = _to_blocks(g.astype(jnp.float32), dest, blocks, size)
+    gp = _to_blocks(g, dest, blocks, size)  # g: [M, N] in x's dtype (the forward's output)
     xp = _to_blocks(x, dest, blocks, size)
-    w_blocks = w[block_expert].astype(jnp.float32)  # [blocks, K, N]
-    dx = jnp.einsum("bmn,bkn->bmk", gp, w_blocks).reshape(-1, k)[dest]
-    per_block = jnp.einsum("bmk,bmn->bkn", xp.astype(jnp.float32), gp)
-    dw = jnp.zeros(w.shape, jnp.float32).at[block_expert].add(per_block)
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+    w_blocks = w[block_expert]  # [blocks, K, N]
+    dx = jnp.einsum("bmn,bkn->bmk", gp, w_blocks, preferred_element_type=f32)
+    per_block = jnp.einsum("bmk,bmn->bkn", xp, gp, preferred_element_type=f32)
+    dw = jnp.zeros(w.shape, f32).at[block_expert].add(per_block, indices_are_sorted=True)
+    return dx.reshape(-1, k)[dest].astype(x.dtype), dw.astype(w.dtype), None
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -208,10 +213,13 @@ def _block_layout(group_sizes: jax.Array, rows: int):
     block_ends = jnp.cumsum((group_sizes + size - 1) // size)
     padded_starts = (block_ends - (group_sizes + size - 1) // size) * size
     index = jnp.arange(rows, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, index, side="right"), experts - 1)
+    # compare_all: one fused comparison (the default's loop is a kernel launch per halving)
+    group = jnp.searchsorted(ends, index, side="right", method="compare_all")
+    group = jnp.minimum(group, experts - 1)
     dest = (padded_starts[group] + index - starts[group]).astype(jnp.int32)
     block = jnp.arange(blocks, dtype=jnp.int32)
-    block_expert = jnp.minimum(jnp.searchsorted(block_ends, block, side="right"), experts - 1)
+    block_expert = jnp.searchsorted(block_ends, block, side="right", method="compare_all")
+    block_expert = jnp.minimum(block_expert, experts - 1)
     return dest, block_expert.astype(jnp.int32), blocks, size
 
 
