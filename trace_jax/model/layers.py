@@ -86,10 +86,13 @@ def route(
     """
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     if replay is None:
-        weights, experts = jax.lax.top_k(probs, top_k)
+        experts = jax.lax.top_k(probs, top_k)[1]
     else:
         experts = replay.astype(jnp.int32)
-        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    # the chosen probabilities by a select, not a gather: the gradient is a select too (a
+    # gather's is a scatter-add)
+    chosen = experts[..., None] == jnp.arange(probs.shape[-1], dtype=jnp.int32)
+    weights = jnp.sum(jnp.where(chosen, probs[:, None, :], 0.0), axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
@@ -166,13 +169,29 @@ def blocked_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     dest, block_expert, blocks, size = _block_layout(group_sizes, x.shape[0])
     xp = _to_blocks(x, dest, blocks, size)
     out = jnp.einsum("bmk,bkn->bmn", xp, w[block_expert], preferred_element_type=jnp.float32)
-    return out.reshape(blocks * size, -1)[dest]
+    return permute_rows(out.reshape(blocks * size, -1), dest)
+
+
+def permute_rows(a: jax.Array, rows: jax.Array) -> jax.Array:
+    """``a[rows]`` for rows that are all different (a permutation, or slots of a padded layout):
+    declared unique, so its gradient is a plain scatter (no atomic adds: deterministic and no
+    serialisation under XLA's deterministic mode).
+
+    Args:
+      a: [M, ...]; rows: [R] int32, distinct, in [0, M).
+    """
+    return a.at[rows].get(unique_indices=True, mode="promise_in_bounds")
 
 
 def _to_blocks(a: jax.Array, dest: jax.Array, blocks: int, size: int) -> jax.Array:
     """Rows [M, C] to their slots ``dest`` of ``blocks`` blocks of ``size`` rows, zero-padded:
     [blocks, size, C]."""
-    return jnp.zeros((blocks * size, a.shape[1]), a.dtype).at[dest].set(a).reshape(blocks, size, -1)
+    padded = jnp.zeros((blocks * size, a.shape[1]), a.dtype)
+    return (
+        padded.at[dest]
+        .set(a, unique_indices=True, mode="promise_in_bounds")
+        .reshape(blocks, size, -1)
+    )
 
 
 def _grouped_matmul_fwd(x, w, group_sizes):
@@ -190,7 +209,7 @@ def _grouped_matmul_bwd(res, g):
     dx = jnp.einsum("bmn,bkn->bmk", gp, w_blocks, preferred_element_type=f32)
     per_block = jnp.einsum("bmk,bmn->bkn", xp, gp, preferred_element_type=f32)
     dw = jnp.zeros(w.shape, f32).at[block_expert].add(per_block, indices_are_sorted=True)
-    return dx.reshape(-1, k)[dest].astype(x.dtype), dw.astype(w.dtype), None
+    return permute_rows(dx.reshape(-1, k), dest).astype(x.dtype), dw.astype(w.dtype), None
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

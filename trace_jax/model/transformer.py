@@ -162,7 +162,9 @@ class MoE(nnx.Module):
         order, group_sizes = layers.sort_by_expert(experts, cfg.num_experts)
         inverse = jnp.argsort(order)
         x_q = sites.activation(site_name(layer, "experts.gate_up.act"), x, layer)
-        xs = x_q.reshape(b * t, h)[order // k]  # [N*k, H] grouped by expert
+        # [N*k, H] grouped by expert: each token repeated per slot, then permuted (the gradient
+        # sums the k slots by a reduction, not by a scatter-add)
+        xs = layers.permute_rows(jnp.repeat(x_q.reshape(b * t, h), k, axis=0), order)
         # Arrays (through the weight sites), or the rollout engine's packed FP4 weights.
         w_gate, w_up, w_down = (
             w if isinstance(w, layers.PackedExpertWeight) else sites.expert_weight(w)
@@ -170,11 +172,11 @@ class MoE(nnx.Module):
         )
         gate = layers.expert_matmul(xs, w_gate, group_sizes)
         up = layers.expert_matmul(xs, w_up, group_sizes)
-        act = (jax.nn.silu(gate) * up)[inverse].reshape(b, t, k, -1)  # per (token, slot)
+        act = layers.permute_rows(jax.nn.silu(gate) * up, inverse).reshape(b, t, k, -1)
         act = sites.activation(site_name(layer, "experts.down.act"), act, layer)
-        act = act.reshape(b * t * k, -1)[order]
+        act = layers.permute_rows(act.reshape(b * t * k, -1), order)  # per (token, slot) above
         down = layers.expert_matmul(act, w_down, group_sizes)
-        down = down[inverse].reshape(b * t, k, h)
+        down = layers.permute_rows(down, inverse).reshape(b * t, k, h)
         y = jnp.sum(down.astype(jnp.float32) * weights[..., None], axis=1).astype(dt)
         y = y.reshape(b, t, h)
         if cfg.shared_expert_intermediate_size:

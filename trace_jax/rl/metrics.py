@@ -34,7 +34,9 @@ def token_logprobs(
       [B, S] float32; slot 0 (no previous position) is 0.
     """
     lp = jax.nn.log_softmax(_next_token_logits(logits, tokens, sampling), axis=-1)
-    picked = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    # a select, not a gather: its gradient is a select too (a gather's is a scatter-add)
+    chosen = tokens[:, 1:, None] == jnp.arange(lp.shape[-1], dtype=tokens.dtype)
+    picked = jnp.sum(jnp.where(chosen, lp, 0.0), axis=-1)
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
