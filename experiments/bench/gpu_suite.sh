@@ -53,6 +53,7 @@ STEPS=(
   # the trainer's scoring pass and one 64-sequence gradient at `medium`, timed, then op by op
   "trainer-profile|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
   "trainer-profile-mgpu|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul mgpu"
+  "trainer-profile-deterministic|300|XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
