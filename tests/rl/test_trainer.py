@@ -2,6 +2,7 @@
 (the 2-device sharded RL step: ``sharded_step_check.py``, run by ``test_multiprocess.py``)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from shapes import MODEL_BF16
 
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.model.sharding import commit
@@ -257,3 +259,45 @@ def test_trainers_built_alike_share_compiled_steps_and_others_do_not():
     np.testing.assert_allclose(np.asarray(one), np.asarray(start[0]) - 0.1, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(other), np.asarray(start[1]) - 0.1, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(five), np.asarray(start[2]) - 0.5, rtol=1e-6)
+
+
+def test_gradient_programs_scatter_add_only_into_weights():
+    """Where the backward adds several values into one slot it is by a reduction or a select,
+    except the expert weights' and the embedding's gradients (summed over the rows they were
+    gathered for): in the compiled RL gradient and warm-start step, every scatter of floats
+    declares unique indices or targets one of those. A scatter-add of repeated indices is an
+    atomic add on the GPU (nondeterministic) and a serialised loop under XLA's deterministic ops."""
+    cfg = MODEL_BF16
+    model = Transformer(cfg, nnx.Rngs(0))
+    trainer = Trainer(model, QuantPolicy.bf16(), LossConfig(), optax.adamw(1e-3))
+    state = trainer.init()
+    b, s, k = 2, 8, cfg.num_experts_per_tok
+    tokens = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s) % cfg.vocab_size
+    routes = (
+        jnp.arange(k)[None, None, None, :] + jnp.arange(s)[None, None, :, None]
+    ) % cfg.num_experts
+    batch = RLBatch(
+        tokens=tokens,
+        filled=jnp.ones((b, s), bool),
+        loss_mask=jnp.ones((b, s), bool),
+        rollout_logp=jnp.zeros((b, s)),
+        advantages=jnp.asarray([1.0, -1.0]),
+        routes=jnp.broadcast_to(routes, (1, b, s, k)).astype(jnp.int32),
+    )
+    weights = {
+        f"f32[{cfg.num_experts},{cfg.hidden_size},{cfg.moe_intermediate_size}]",
+        f"f32[{cfg.num_experts},{cfg.moe_intermediate_size},{cfg.hidden_size}]",
+        f"f32[{cfg.vocab_size},{cfg.hidden_size}]",
+    }
+    programs = {
+        "gradient": Trainer.gradient.lower(trainer, state.params, batch, None, None, None),
+        "sft_step": Trainer.sft_step.lower(trainer, state, tokens, batch.loss_mask),
+    }
+    for name, lowered in programs.items():
+        lines = re.findall(r"= \S+ scatter\(.*", lowered.compile().as_text())
+        assert lines, name  # the weights' gradients at least
+        for line in lines:
+            shape = re.match(r"= ([a-z0-9]+\[[0-9,]*\])", line).group(1)
+            if "unique_indices=true" in line or shape.startswith(("s32", "u32", "pred")):
+                continue
+            assert shape in weights, f"{name}: {shape} {line[:200]}"
