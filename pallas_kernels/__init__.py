@@ -12,7 +12,9 @@ above its own, nor a private name of another module):
 * the ops, above them: ``fp4_matmul`` (``fp4_matmul``, ``fp4_matmul_w4a4``, ``fp4_linear``),
   ``fp4_grouped_matmul`` (``fp4_grouped_linear``) and ``fp4_decode_attention``
   (``decode_attention``, ``decode_attention_append``, ``kv_append``): each holds its op's
-  pure-JAX reference, which the kernels are tested against, and picks the kernel a call runs.
+  pure-JAX reference, which the kernels are tested against, and picks the kernel a call runs;
+  ``bf16_grouped_matmul``, the trainer's BF16 expert matmul and its gradients through JAX's own
+  Hopper kernels (``ragged_dot_mgpu``, ``transposed_ragged_dot_mgpu``), where they apply.
 
 ``cuda_lowering`` lowers any of them for CUDA on a machine without a GPU (tooling, no kernel).
 """

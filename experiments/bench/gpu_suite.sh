@@ -51,8 +51,9 @@ STEPS=(
   # blocked XLA form against JAX's Hopper ragged_dot kernels
   "trainer-matmul|240|$PY $BENCH/grouped_matmul.py --preset medium --tokens 4352,34816"
   # the trainer's scoring pass and one 64-sequence gradient at `medium`, timed, then op by op
+  # (the experts' matmul through JAX's Hopper kernels, then in XLA's blocked form)
   "trainer-profile|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
-  "trainer-profile-mgpu|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul mgpu"
+  "trainer-profile-xla|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul xla"
   "trainer-profile-deterministic|300|XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"

@@ -1,10 +1,11 @@
 """The trainer's routed-expert matmul, forward and backward, at a preset's shapes (GPU).
 
-What a trainer step spends on the experts: ``trace_jax.model.layers.grouped_matmul`` (the
-ragged_dot forward below 1 GiB of dense product, blocks above it; the gradients by blocks, in
-float32) against JAX's Hopper kernels (``ragged_dot_mgpu`` for the forward and the input
-gradient, ``transposed_ragged_dot_mgpu`` for the weight gradient; BF16 operands, float32
-accumulation). Rows are ``tokens x top-k``, routed uniformly at random; the weights are BF16
+What a trainer step spends on the experts: ``trace_jax.model.layers.grouped_matmul`` in its
+two forms, ``xla`` (the ragged_dot forward below 1 GiB of dense product, blocks above it; the
+gradients by blocks) and ``kernels`` (JAX's Hopper kernels through
+``pallas_kernels.bf16_grouped_matmul``: ``ragged_dot_mgpu`` for the forward and the input
+gradient, ``transposed_ragged_dot_mgpu`` for the weight gradient), BF16 operands accumulated in
+float32 in both. Rows are ``tokens x top-k``, routed uniformly at random; the weights are BF16
 as the trainer casts them. Each variant is checked against the float32 reference before it is
 timed; the table gives ms per call and TFLOP/s of the useful FLOPs (2 x rows x K x N forward,
 three times that forward and backward).
@@ -15,61 +16,36 @@ three times that forward and backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench.fp4_matmul import rel_error, time_op
+from pallas_kernels import bf16_grouped_matmul
 from trace_jax.model import ModelConfig
 from trace_jax.model.layers import grouped_matmul, sort_by_expert
 
-# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n) of JAX's Hopper kernels
-MGPU = (64, 128, 64, 4, 1)
-MGPU_T = (64, 128, 64, 4, 1)
+
+@contextlib.contextmanager
+def expert_kernels(on: bool):
+    """``layers.grouped_matmul`` with JAX's Hopper kernels where they apply (on) or XLA's
+    blocked form (off)."""
+    applies = bf16_grouped_matmul.applies
+    if not on:
+        bf16_grouped_matmul.applies = lambda x, w: False
+    try:
+        yield
+    finally:
+        bf16_grouped_matmul.applies = applies
 
 
-@jax.custom_vjp
-def mgpu_grouped_matmul(x, w, group_sizes):
-    """``ragged_dot(x [M, K] bf16, w [E, K, N] bf16, group_sizes [E])`` -> [M, N] bf16 through
-    JAX's Hopper kernels, forward and backward."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    bm, bn, bk, steps, gbn = MGPU
-    return ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=group_sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=gbn,
-    )  # fmt: skip
+def trainer_matmul(x, w, group_sizes):
+    return grouped_matmul(x, w, group_sizes)
 
 
-def _mgpu_fwd(x, w, group_sizes):
-    return mgpu_grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
-
-
-def _mgpu_bwd(res, g):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    x, w, group_sizes = res
-    g = g.astype(x.dtype)
-    bm, bn, bk, steps, gbn = MGPU
-    dx = ragged_dot_mgpu.ragged_dot(
-        g, w, group_sizes=group_sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=gbn, transpose_rhs=True,
-    )  # fmt: skip
-    bm, bn, bk, steps, gbn = MGPU_T
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x, g, group_sizes=group_sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=gbn,
-    )  # fmt: skip
-    return dx, dw.astype(w.dtype), None
-
-
-mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
-
-VARIANTS = {
-    "blocked": lambda x, w, gs: grouped_matmul(x, w, gs).astype(x.dtype),  # the trainer's
-    "mgpu": mgpu_grouped_matmul,
-}
+VARIANTS = {"xla": False, "kernels": True}  # name -> expert_kernels(on)
 
 
 def _case(cfg: ModelConfig, tokens: int, k_dim: int, n_dim: int, seed: int):
@@ -131,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in map(int, args.tokens.split(",")):
         for k_dim, n_dim, name in ((h, f, "gate/up"), (f, h, "down")):
             case = _case(cfg, tokens, k_dim, n_dim, seed=tokens)
+            print(f"{tokens} {name}: kernels apply: {bf16_grouped_matmul.applies(*case[:2])}")
             flops = 2 * tokens * cfg.num_experts_per_tok * k_dim * n_dim
             for v in args.variants.split(","):
                 try:
-                    t_fwd, t_all, err = measure(VARIANTS[v], *case, args.check_rows)
+                    with expert_kernels(VARIANTS[v]):
+                        t_fwd, t_all, err = measure(trainer_matmul, *case, args.check_rows)
                 except Exception as e:  # a variant that does not lower is reported, not fatal
                     print(f"{tokens} {name} {v}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue

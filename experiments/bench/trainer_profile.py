@@ -27,7 +27,8 @@ import optax
 from flax import nnx
 from jax.profiler import ProfileData
 
-from trace_jax.model import ModelConfig, QuantPolicy, Transformer, layers
+from pallas_kernels import bf16_grouped_matmul
+from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLBatch, Trainer
 
@@ -108,15 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument(
         "--expert-matmul",
-        choices=("blocked", "mgpu"),
-        default="blocked",
-        help="the experts' matmul: the trainer's (blocked) or JAX's Hopper kernels (GPU only)",
+        choices=("auto", "xla"),
+        default="auto",
+        help="xla: the experts' matmul in XLA's blocked form even where JAX's Hopper kernels apply",
     )
     args = parser.parse_args(argv)
-    if args.expert_matmul == "mgpu":
-        from experiments.bench.grouped_matmul import mgpu_grouped_matmul
-
-        layers.grouped_matmul = mgpu_grouped_matmul  # what expert_matmul calls
+    if args.expert_matmul == "xla":
+        bf16_grouped_matmul.applies = lambda x, w: False
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers)

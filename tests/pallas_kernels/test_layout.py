@@ -34,6 +34,7 @@ LEVELS = {
     "fp4_matmul": 2,
     "fp4_grouped_matmul": 2,
     "fp4_decode_attention": 2,
+    "bf16_grouped_matmul": 2,
 }
 
 

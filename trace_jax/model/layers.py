@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bf16_grouped_matmul
 from pallas_kernels.fp4_grouped_matmul import fp4_grouped_linear
 from pallas_kernels.layouts import Fp4Weight
 from trace_jax import fp4
@@ -144,7 +145,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     The output is rounded to x's dtype here, so the backward's cotangent arrives in it: with
     BF16 x and w, every backward product is of BF16 operands (exact in float32) accumulated in
     float32, as the forward's, at the tensor cores' BF16 rate.
+
+    On a Hopper GPU with BF16 operands (``bf16_grouped_matmul.applies``), JAX's Mosaic GPU
+    kernels compute the forward and both gradients instead: the same sums, without padded
+    copies, and a deterministic weight gradient.
     """
+    if bf16_grouped_matmul.applies(x, w):
+        return bf16_grouped_matmul.ragged_dot(x, w, group_sizes)
     m, n = x.shape[0], w.shape[-1]
     if m * w.shape[0] * n * 4 > _DENSE_FORWARD_BYTES:
         return blocked_matmul(x, w, group_sizes).astype(x.dtype)
@@ -200,6 +207,9 @@ def _grouped_matmul_fwd(x, w, group_sizes):
 
 def _grouped_matmul_bwd(res, g):
     x, w, group_sizes = res
+    if bf16_grouped_matmul.applies(x, w):
+        dx = bf16_grouped_matmul.ragged_dot_transposed(g, w, group_sizes)
+        return dx, bf16_grouped_matmul.weight_gradient(x, g, group_sizes), None
     m, k = x.shape
     f32 = jnp.float32
     dest, block_expert, blocks, size = _block_layout(group_sizes, m)

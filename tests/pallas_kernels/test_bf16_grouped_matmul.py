@@ -1,0 +1,46 @@
+"""``bf16_grouped_matmul``: where JAX's Hopper kernels apply, and on the GPU, the trainer's
+expert matmul and both its gradients through them against XLA's blocked form (the same float32
+sums of BF16 products, in another order: equal to one BF16 rounding)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import bf16_grouped_matmul as bgm
+from trace_jax.model import layers
+
+
+def test_applies_only_to_bf16_on_a_hopper_gpu_at_whole_tiles():
+    x = jnp.zeros((8, 256), jnp.bfloat16)
+    w = jnp.zeros((4, 256, 128), jnp.bfloat16)
+    hopper = jax.default_backend() == "gpu" and str(jax.devices()[0].compute_capability)[0] == "9"
+    assert bgm.applies(x, w) == hopper
+    assert not bgm.applies(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert not bgm.applies(x[:, :192], w[:, :192])  # K not a multiple of 128
+
+
+@pytest.mark.gpu
+def test_kernels_equal_the_blocked_form_forward_and_backward(monkeypatch):
+    """A medium-like layer: 64 experts (some without rows), K 1024, N 384, 2,000 rows."""
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(2000, rng.dirichlet(np.ones(64) * 0.5))
+    gs = jnp.asarray(sizes, jnp.int32)
+    assert (sizes == 0).any()
+    x, w, ct = (
+        jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+        for s in ((2000, 1024), (64, 1024, 384), (2000, 384))
+    )
+    assert bgm.applies(x, w)
+
+    def run():
+        y, vjp = jax.vjp(lambda x, w: layers.grouped_matmul(x, w, gs), x, w)
+        return (y, *vjp(ct))
+
+    got = run()
+    monkeypatch.setattr(bgm, "applies", lambda x, w: False)
+    want = run()
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-2)
