@@ -47,14 +47,15 @@ STEPS=(
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
   # RL (the entry point needs the wheels of ../shared/tools/gpu-wheels; run dirs in runs/)
   "rl-mismatch-small|400|for b in xla pallas; do $RUN configs/trace_mismatch.yaml model=small batch=32 prompt_len=16 max_new_tokens=64 backend=\$b plot=false --run-dir runs/mismatch-\$b; done"
-  # the trainer's expert matmuls at `medium` (a 64-sequence minibatch, a 512-sequence one): the
+  # the trainer's expert matmuls at `medium` (a 64-sequence minibatch, a 256-sequence one): the
   # blocked XLA form against JAX's Hopper ragged_dot kernels
-  "trainer-matmul|240|$PY $BENCH/grouped_matmul.py --preset medium --tokens 4352,34816"
+  "trainer-matmul|240|$PY $BENCH/grouped_matmul.py --preset medium --tokens 4352,17408"
   # the trainer's scoring pass and one 64-sequence gradient at `medium`, timed, then op by op
-  # (the experts' matmul through JAX's Hopper kernels, then in XLA's blocked form)
-  "trainer-profile|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
-  "trainer-profile-xla|300|$PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul xla"
-  "trainer-profile-deterministic|300|XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
+  # (the experts' matmul through JAX's Hopper kernels, then in XLA's blocked form; CUDA-graph
+  # command buffers off, so that the profile can tell the ops apart)
+  "trainer-profile|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
+  "trainer-profile-xla|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul xla"
+  "trainer-profile-deterministic|300|XLA_FLAGS='--xla_gpu_deterministic_ops=true --xla_gpu_enable_command_buffer=' $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"

@@ -8,8 +8,10 @@ it, and a per-step profile of the decode step.
     PYTHONPATH=. python3 experiments/bench/rollout.py --preset qwen3-30b-a3b --layers 8 \\
         --engines w4a16,w4a4,bf16-pallas --batches 64 --gens 1024 --profile
 
-Engines (``--engines``; ``ENGINES`` below): ``bf16`` (BF16 weights and KV, XLA: ``ragged_dot``
-and attention over the dequantized cache), ``bf16-pallas`` (the same weights, single-token
+Engines (``--engines``; ``ENGINES`` below): ``bf16`` (BF16 weights and KV, XLA attention over
+the cache; the routed experts through JAX's Hopper grouped kernel ``ragged_dot_mgpu`` where it
+applies, ``pallas_kernels.bf16_grouped_matmul``, else XLA's ``ragged_dot``; runs before
+2026-12-07 had XLA's ``ragged_dot`` everywhere), ``bf16-pallas`` (the same weights, single-token
 steps through the decode-attention kernel with its fused append over the BF16 cache), ``w4a16``
 (NVFP4 routed experts, prepacked for the grouped kernel, NVFP4 KV cache through the
 decode-attention kernel), ``w4a4`` (``w4a16`` with the expert activations quantized to NVFP4
