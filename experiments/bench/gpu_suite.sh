@@ -59,7 +59,10 @@ STEPS=(
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"
-  "rl-deterministic-ab|420|for d in false true; do XLA_FLAGS=\$( [ \$d = true ] && echo --xla_gpu_deterministic_ops=true ) $RUN $MEDIUM steps=0 warm_start.steps=30 eval_problems=0 deterministic=\$d checkpoint_every=1000 --run-dir runs/det-\$d || exit 1; done; $PHASES runs/det-*"
+  # the recipe's deterministic warm start twice at once (two processes, each compiling its own
+  # programs): the same start_policy_sha256 is what lets a study's modes start from one policy
+  # across calls; run it again in another call and compare the digest
+  "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=100000 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=8.2 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
   # 128 prompts an update (1,024 sequences): the scoring pass's memory with the experts' blocked
