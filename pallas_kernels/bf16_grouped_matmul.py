@@ -20,9 +20,12 @@ TILE = {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4,
 
 
 def applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether the kernels take ``x`` [M, K] and ``w`` [E, K, N]: both BF16, on a Hopper GPU,
-    K and N multiples of 128 (the tiles of the three products)."""
+    """Whether the kernels take ``x`` [M, K] and ``w`` [E, K, N]: both BF16, on one Hopper GPU
+    (a kernel call sees whole arrays: with several devices the operands may be split, and XLA's
+    form is partitioned instead), K and N multiples of 128 (the tiles of the three products)."""
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or jax.default_backend() != "gpu":
+        return False
+    if jax.device_count() != 1:
         return False
     k, n = w.shape[1:]
     major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
