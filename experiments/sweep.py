@@ -23,7 +23,10 @@ is not the user's (a crash, out of memory) leaves ``error.txt`` with its traceba
 goes on; it is tried again on the next start. ``<sweep_dir>/sweep.yaml`` records the resolved
 sweep; a start with another base, overrides or grid is refused, in one line naming the keys,
 unless ``--allow-config-change``. Grid keys must not change the shared warm start (the model,
-the task, ``warm_start.*``, ``init_checkpoint``).
+the task, ``warm_start.*``, ``init_checkpoint``). Where the warm start's folder does not outlive
+a machine (the GPU calls) it is run again on the next start, and a finished cell whose
+``start_policy_sha256`` differs from the warm start's stops the sweep in one line: only a
+``deterministic: true`` warm start on the same kind of GPU repeats the same parameters.
 """
 
 from __future__ import annotations
@@ -234,6 +237,7 @@ def run_sweep(
     if not finished(sweep.warm_start_dir, ws):
         print(f"\n=== {sweep.warm_start_dir}: the warm start every cell starts from")
         execute(ws.exp, ws.cfg, sweep.warm_start_dir, allow_change)
+    check_starts(sweep)
     failed = []
     for i, cell in enumerate(cells):
         run_dir = sweep.sweep_dir / cell.name
@@ -262,6 +266,34 @@ def run_sweep(
         print(f"failed cells (tried again on the next start): {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def start_digest(run_dir: Path) -> str | None:
+    """The ``start_policy_sha256`` of a finished run (its RL's starting parameters; a warm start's
+    final ones)."""
+    results = run_dir / "results.json"
+    return json.loads(results.read_text()).get("start_policy_sha256") if results.is_file() else None
+
+
+def check_starts(sweep: Sweep) -> None:
+    """Refuse (one line) to go on when a finished cell started RL from other parameters than the
+    warm start holds: on machines whose disks do not outlive a call the warm start is run again
+    in each call, and only a deterministic one on the same kind of GPU gives the same policy."""
+    start = start_digest(sweep.warm_start_dir)
+    other = {
+        c.name: d
+        for c in sweep.cells
+        if finished(sweep.sweep_dir / c.name, c)
+        and (d := start_digest(sweep.sweep_dir / c.name)) != start
+    }
+    if other:
+        cells = ", ".join(f"{n} ({(d or 'unknown')[:16]})" for n, d in sorted(other.items()))
+        raise ConfigError(
+            f"{cells}: started RL from other parameters than the warm start in "
+            f"{sweep.warm_start_dir} (sha256 {(start or 'unknown')[:16]}); a warm start run again "
+            "on another kind of GPU, or without deterministic: true, gives another policy: move "
+            "those cells aside, or run where their warm start ran"
+        )
 
 
 def listing(sweep: Sweep, cells: Sequence[Cell]) -> str:

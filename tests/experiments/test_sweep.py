@@ -167,6 +167,11 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     flagged = (tmp_path / "r2" / "report.md").read_text()
     assert "**Not every cell started RL from the warm start's parameters**" in flagged
     assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
+    # ... and the sweep, started again, stops before it runs anything else
+    assert main(["sweep", path]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{CELLS[1]} (ffffffffffffffff): started RL from other parameters" in err
+    assert f"(sha256 {start[:16]})" in err
     for name in ("eval_reward", "mismatch", "codes", "mismatch_by_layer", "timing"):
         assert f"![{name}]({name}.png)" in table
         image = plt_imread(out_dir / f"{name}.png")
