@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bf16_grouped_matmul
 from pallas_kernels import fp4_grouped_matmul_triton as gt
 from pallas_kernels import fp4_matmul_mgpu as fmm
 from pallas_kernels.layouts import Fp4Weight
@@ -34,7 +35,8 @@ def fp4_grouped_linear(
     x: jax.Array, w: Fp4Weight, group_sizes: jax.Array, *, interpret: bool | None = None
 ) -> jax.Array:
     """``ragged_dot(x, dequantize(w), group_sizes)`` through a kernel where one applies, else
-    dequantize + XLA ``ragged_dot`` (the model's XLA path, bit for bit).
+    dequantize + ``ragged_dot`` (the model's XLA path for rows it does not split into blocks:
+    XLA's, or on one Hopper GPU JAX's BF16 grouped kernel, ``bf16_grouped_matmul``).
 
     A kernel runs when x is bf16 (they are W4A16), a tiling fits the weight
     (``fp4_grouped_matmul_triton.grouped_config``) and there are at most ``PALLAS_MAX_ROWS``
@@ -64,6 +66,8 @@ def fp4_grouped_linear(
             return fmm.fp4_grouped_matmul_mgpu(x, w.mgpu, group_sizes)
         return gt.fp4_grouped_matmul_triton(x, w, group_sizes, config=cfg, interpret=interpret)
     wx = fp4.dequantize(w.qtensor, x.dtype)
+    if bf16_grouped_matmul.applies(x, wx):  # as the model's path: no [T, E * N] dense product
+        return bf16_grouped_matmul.ragged_dot(x, wx, group_sizes)
     y = jax.lax.ragged_dot(x, wx, group_sizes, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
