@@ -65,8 +65,9 @@ STEPS=(
   "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=100000 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=8.2 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
-  # 128 prompts an update (1,024 sequences): the scoring pass's memory with the experts' blocked
-  # forward (dab83cc) in a short run, then the recipe's warm start and RL at that batch
+  # 128 prompts an update (1,024 sequences): the scoring pass's memory with the experts by blocks
+  # (dab83cc) or JAX's Hopper kernels (229dc63) in a short run, then the recipe's warm start and
+  # RL at that batch
   "rl-score-medium-128|300|$RUN $MEDIUM prompts_per_step=128 minibatches=2 warm_start.steps=40 steps=5 eval_every=5 eval_problems=64 checkpoint_every=100000 --run-dir runs/score-128; $PHASES runs/score-128"
   "rl-learn-medium-128|565|$RUN $MEDIUM prompts_per_step=128 minibatches=2 time_limit_min=8.2 eval_every=10 checkpoint_every=100000 --run-dir runs/learn-128; $PHASES runs/learn-128"
   "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"
