@@ -41,10 +41,6 @@ def expert_kernels(on: bool):
         bf16_grouped_matmul.applies = applies
 
 
-def trainer_matmul(x, w, group_sizes):
-    return grouped_matmul(x, w, group_sizes)
-
-
 VARIANTS = {"xla": False, "kernels": True}  # name -> expert_kernels(on)
 
 
@@ -112,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             for v in args.variants.split(","):
                 try:
                     with expert_kernels(VARIANTS[v]):
-                        t_fwd, t_all, err = measure(trainer_matmul, *case, args.check_rows)
+                        t_fwd, t_all, err = measure(grouped_matmul, *case, args.check_rows)
                 except Exception as e:  # a variant that does not lower is reported, not fatal
                     print(f"{tokens} {name} {v}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.profiler import ProfileData
 
-from pallas_kernels import bf16_grouped_matmul
+from experiments.bench.grouped_matmul import expert_kernels
 from trace_jax.model import ModelConfig, QuantPolicy, Transformer
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import RLBatch, Trainer
@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         help="xla: the experts' matmul in XLA's blocked form even where JAX's Hopper kernels apply",
     )
     args = parser.parse_args(argv)
-    if args.expert_matmul == "xla":
-        bf16_grouped_matmul.applies = lambda x, w: False
+    with expert_kernels(args.expert_matmul == "auto"):
+        return profile(args)
+
+
+def profile(args: argparse.Namespace) -> int:
+    """Time and profile the trainer (``main``'s arguments)."""
     cfg = ModelConfig.preset(args.preset)
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers)
