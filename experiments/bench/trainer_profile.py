@@ -20,6 +20,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +86,11 @@ def kernel_times(fn, calls: int) -> tuple[dict[str, float], int]:
         planes = [p for p in data.planes if p.name == "/host:CPU"]
     per_op: dict[str, float] = collections.defaultdict(float)
     count = 0
+    warnings.filterwarnings("ignore", "builtin type event_stats", DeprecationWarning)
     for plane in planes:
         for line in plane.lines:
             for event in line.events:
-                stats = dict(iter(event.stats))
+                stats = dict(event.stats)
                 if "hlo_op" in stats:
                     per_op[stats["hlo_op"]] += event.duration_ns
                     count += 1
