@@ -90,13 +90,24 @@ def route(
         experts = jax.lax.top_k(probs, top_k)[1]
     else:
         experts = replay.astype(jnp.int32)
-    # the chosen probabilities by a select, not a gather: the gradient is a select too (a
-    # gather's is a scatter-add)
-    chosen = experts[..., None] == jnp.arange(probs.shape[-1], dtype=jnp.int32)
-    weights = jnp.sum(jnp.where(chosen, probs[:, None, :], 0.0), axis=-1)
+    weights = take_last(probs, experts)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def take_last(values: jax.Array, indices: jax.Array) -> jax.Array:
+    """``take_along_axis(values, indices, axis=-1)`` by a select, not a gather: its gradient is
+    a select too (a gather's is a scatter-add: atomic adds on the GPU, serialised under XLA's
+    deterministic ops). ``-inf`` values stay ``-inf`` where picked and are harmless elsewhere.
+
+    Args:
+      values: [..., n]; indices: [..., k] int, in [0, n).
+    Returns:
+      [..., k] in values' dtype.
+    """
+    chosen = indices[..., None] == jnp.arange(values.shape[-1], dtype=indices.dtype)
+    return jnp.sum(jnp.where(chosen, values[..., None, :], 0), axis=-1)
 
 
 def expert_matmul(

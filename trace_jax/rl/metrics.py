@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import fp4
+from trace_jax.model.layers import take_last
 from trace_jax.rollout.sampling import SamplingConfig, scored_logits
 
 
@@ -34,9 +35,7 @@ def token_logprobs(
       [B, S] float32; slot 0 (no previous position) is 0.
     """
     lp = jax.nn.log_softmax(_next_token_logits(logits, tokens, sampling), axis=-1)
-    # a select, not a gather: its gradient is a select too (a gather's is a scatter-add)
-    chosen = tokens[:, 1:, None] == jnp.arange(lp.shape[-1], dtype=tokens.dtype)
-    picked = jnp.sum(jnp.where(chosen, lp, 0.0), axis=-1)
+    picked = take_last(lp, tokens[:, 1:, None])[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
