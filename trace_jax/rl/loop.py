@@ -397,12 +397,14 @@ class RLRun:
         self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args)  # its knobs checked first
         if not cfg.hf_checkpoint:  # before allocating anything (a checkpoint's config: below)
             self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
-            memory.check_fits(cfg, model_config(cfg, self.io.vocab_size), self.max_len)
+            memory.check_fits(
+                cfg, model_config(cfg, self.io.vocab_size), self.max_len, warn=self._memory_warning
+            )
         model, tokenizer = build_model(cfg)
         if cfg.hf_checkpoint:  # its tasks are rendered by its own tokenizer
             self.io = tasks_io.TaskIO(cfg.task.name, cfg.task.args, tokenizer)
             self.max_len = self.io.max_len(cfg.max_new_tokens, cfg.max_turns)
-            memory.check_fits(cfg, model.cfg, self.max_len)
+            memory.check_fits(cfg, model.cfg, self.max_len, warn=self._memory_warning)
         if cfg.init_checkpoint:
             _restore_policy(cfg.init_checkpoint, model)
         self.mesh = None
@@ -487,6 +489,11 @@ class RLRun:
         self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
+
+    @property
+    def _memory_warning(self):
+        """Where ``memory.check_fits`` says a run likely will not fit: the log, on a GPU."""
+        return self.log if jax.default_backend() == "gpu" else None
 
     # ------------------------------------------------------------------ processes
 
@@ -594,22 +601,30 @@ class RLRun:
             "guidance/transfer_bytes": float(nbytes),
         }
 
-    def rl_step(
-        self, state: TrainState, rollout_params, step: int, problems: list, cache: GuidanceCache
-    ):
-        cfg = self.cfg
-        p, g = cfg.prompts_per_step, cfg.group_size
-        rl_index = step - cfg.warm_start.steps
-        version = max(rl_index - cfg.staleness, 0)
-        lo, hi = self._rows(p)  # this process's prompts: whole groups
-        batch_problems = [pr for pr in problems[lo:hi] for _ in range(g)]
-        first = lo * g  # its first row of the batch
-        t_step = time.perf_counter()
-        self.engine.update_params(self.trainer.model(rollout_params), version=version)
-        jax.block_until_ready(self.engine.state)
-        times = {"rollout/refit_s": time.perf_counter() - t_step}
-        rs, rewards = self.rollout(self.engine, batch_problems, self._key(step, 1), times)
-        adv = group_advantages(self._place(rewards).reshape(p, g), cfg.loss.advantage)
+    def collect(
+        self,
+        rollout_params,
+        step: int,
+        problems: list,
+        cache: GuidanceCache,
+        version: int = 0,
+        engine: RolloutEngine | None = None,
+    ) -> tuple[RLBatch, np.ndarray, dict[str, float]]:
+        """Roll out ``problems`` (this process's prompts, ``group_size`` samples each) with the
+        policy ``rollout_params`` of ``version``, on ``engine`` (the run's), into the trainer's
+        batch: tokens, rollout log-probs, group advantages, routes and the records through the
+        guidance cache. Returns (batch, this process's rewards, seconds and bytes of each part:
+        ``rollout/*``, ``guidance/*``)."""
+        cfg, engine = self.cfg, engine or self.engine
+        g = cfg.group_size
+        batch_problems = [pr for pr in problems for _ in range(g)]
+        first = self._rows(len(problems) * self.parts)[0] * g  # its first row of the batch
+        t0 = time.perf_counter()
+        engine.update_params(self.trainer.model(rollout_params), version=version)
+        jax.block_until_ready(engine.state)
+        times = {"rollout/refit_s": time.perf_counter() - t0}
+        rs, rewards = self.rollout(engine, batch_problems, self._key(step, 1), times)
+        adv = group_advantages(self._place(rewards).reshape(-1, g), cfg.loss.advantage)
         rows = dict(
             tokens=rs.tokens,
             filled=rs.filled,
@@ -629,14 +644,25 @@ class RLRun:
             rollout_codes=codes,
             code_rows=rs.code_rows,
         )
+        return batch, rewards, {**times, **transfer}
+
+    def rl_step(
+        self, state: TrainState, rollout_params, step: int, problems: list, cache: GuidanceCache
+    ):
+        cfg = self.cfg
+        p, g = cfg.prompts_per_step, cfg.group_size
+        rl_index = step - cfg.warm_start.steps
+        version = max(rl_index - cfg.staleness, 0)
+        lo, hi = self._rows(p)  # this process's prompts: whole groups
+        t_step = time.perf_counter()
+        batch, rewards, times = self.collect(rollout_params, step, problems[lo:hi], cache, version)
         ref = self.ref_params
         if ref is not None and cfg.ref_on_host:
             ref = jax.device_put(ref, jax.tree.map(lambda a: a.sharding, state.params))
         state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
         all_rewards = self._gather(rewards)
-        generated = int(jnp.sum(rs.generated))
+        generated = int(jnp.sum(batch.loss_mask))
         m.update(times)
-        m.update(transfer)
         m.update(self._slowest({k: v for k, v in m.items() if k.endswith("_s")}))
         m.update(
             {
