@@ -40,3 +40,51 @@ def test_a_run_over_the_budget_is_refused_naming_it_and_the_knobs():
         memory.check_fits(rl, MEDIUM, 70, budget=2**30)
     with pytest.raises(ConfigError, match=r"raise minibatches, lower staleness, set ref_on_host"):
         memory.check_fits(rl, MEDIUM, 70, budget=need - 1)
+
+
+def test_saved_activations_by_hand():
+    # medium, 64 slots: per layer, attention (bf16: 3 x 1024 hidden, q and output 2 x 16 x 128,
+    # k and v 2 x 2 x 128; f32 softmax 16 x 64) and MoE (bf16: 2 x 1024, and per slot of 8:
+    # 2 x 1024 + 3 x 384; f32 router logits and probabilities 2 x 64)
+    attention = 2 * (3 * 1024 + 2 * 16 * 128 + 2 * 2 * 128) + 4 * 16 * 64
+    moe = 2 * (2 * 1024 + 8 * (2 * 1024 + 3 * 384)) + 4 * 2 * 64
+    assert memory.saved_per_token(MEDIUM, 64) == 12 * (attention + moe)
+    rl = RLConfig(prompts_per_step=16, group_size=8, minibatches=4)
+    parts = memory.plan(rl, MEDIUM, 64).parts
+    assert parts["trainer activations"] == 32 * 64 * (12 * (attention + moe) + 256 * 4)
+
+
+def test_saved_activations_bound_what_xla_keeps():
+    """The count per sequence is at most what XLA's memory analysis of the trainer's gradient
+    (XLA:CPU) grows by with one more sequence: a lower bound, as check_fits refuses on it."""
+    from experiments.bench.trainer_memory import memory_analysis
+
+    cfg = MEDIUM.replace(
+        num_layers=1,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=4,
+    )
+    seq = 16
+    small, large = (memory_analysis(cfg, "gradient", b, seq).temp_size_in_bytes for b in (8, 16))
+    per_sequence = (large - small) / 8
+    count = (memory.saved_per_token(cfg, seq) + cfg.vocab_size * 4) * seq
+    assert 0 < count <= per_sequence
+
+
+def test_likely_out_of_memory_is_told():
+    rl = RLConfig(
+        train_mode="bf16", rollout="bf16", prompts_per_step=128, group_size=8, minibatches=2
+    )
+    got = memory.plan(rl, MEDIUM, 64)
+    told = []
+    memory.check_fits(rl, MEDIUM, 64, budget=got.total, warn=told.append)
+    assert got.gpu_estimate > got.total and len(told) == 1
+    assert told[0].startswith("memory: this run likely needs") and "raise minibatches" in told[0]
+    told.clear()
+    memory.check_fits(rl, MEDIUM, 64, budget=got.gpu_estimate, warn=told.append)
+    assert told == []
