@@ -64,13 +64,20 @@ STEPS=(
   # across calls; run it again in another call and compare the digest
   "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=100000 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
-  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=8.2 --run-dir runs/learn-bf16; $PHASES runs/learn-bf16"
-  # 128 prompts an update (1,024 sequences): the scoring pass's memory with the experts by blocks
-  # (dab83cc) or JAX's Hopper kernels (229dc63) in a short run, then the recipe's warm start and
-  # RL at that batch
-  "rl-score-medium-128|300|$RUN $MEDIUM prompts_per_step=128 minibatches=2 warm_start.steps=40 steps=5 eval_every=5 eval_problems=64 checkpoint_every=100000 --run-dir runs/score-128; $PHASES runs/score-128"
-  "rl-learn-medium-128|565|$RUN $MEDIUM prompts_per_step=128 minibatches=2 time_limit_min=8.2 eval_every=10 checkpoint_every=100000 --run-dir runs/learn-128; $PHASES runs/learn-128"
-  "rl-modes-medium|540|$RUN $MEDIUM steps=0 warm_start.steps=50 --run-dir runs/ws-modes && for e in bf16_rollout fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=5 eval_every=100 eval_problems=32 --run-dir runs/modes-\$e || exit 1; done; $PHASES runs/modes-*"
+  # the recipe (128 prompts x 8, minibatches of 128 sequences): warm start and 220 RL steps
+  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=9 checkpoint_every=100000 --run-dir runs/learn-bf16; rm -rf runs/learn-bf16/checkpoints; $PHASES runs/learn-bf16"
+  # the recipe from a shorter warm start (more for RL to learn)
+  "rl-learn-medium-ws200|565|$RUN $MEDIUM warm_start.steps=200 time_limit_min=9 checkpoint_every=100000 --run-dir runs/learn-ws200; rm -rf runs/learn-ws200/checkpoints; $PHASES runs/learn-ws200"
+  # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
+  # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
+  "rl-mismatch-bf16|420|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
+  # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
+  # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
+  # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
+  "rl-compile-qat|500|export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; for r in 8 0; do timeout -s ABRT 230 $RUN $MEDIUM experiment=fp4_qat warm_start.steps=2 steps=2 eval_problems=0 checkpoint_every=100000 code_metrics_rows=\$r --run-dir runs/compile-qat-\$r > $OUT/compile-qat-\$r.log 2>&1; echo \"code_metrics_rows=\$r rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/compile-qat-\$r.log | awk '\$(NF-1) > 2 {print \$(NF-1), \$0}' | sort -g | tail -15; rm -rf runs/compile-qat-\$r/checkpoints runs/compile-qat-\$r/policy; done"
+  # the five modes from one warm start, a few RL steps each under the recipe (checkpoints removed:
+  # a `medium` run's final checkpoint is ~11 GB, and the machine's disk ~64 GB)
+  "rl-modes-medium|565|$RUN $MEDIUM steps=0 --run-dir runs/ws-modes && for e in fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do timeout 110 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*"
 )
 
 if [ "${1:-}" = "--list" ]; then
