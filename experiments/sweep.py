@@ -9,6 +9,7 @@ A sweep file (``configs/sweeps/<name>.yaml``)::
       seed: [0, 1, 2]
     sweep_dir: runs/sweeps/<name>               # optional (default: runs/sweeps/<file stem>)
     warm_start_dir: runs/sweeps/x/warm_start    # optional (default: <sweep_dir>/warm_start)
+    keep_checkpoints: false                     # optional (default true): see below
 
 ``python -m experiments sweep <file> [key=value ...]`` (the ``key=value`` overrides join the
 file's) first runs the base config's warm start alone (``steps=0``) into ``warm_start_dir``
@@ -27,6 +28,11 @@ the task, ``warm_start.*``, ``init_checkpoint``). Where the warm start's folder 
 a machine (the GPU calls) it is run again on the next start, and a finished cell whose
 ``start_policy_sha256`` differs from the warm start's stops the sweep in one line: only a
 ``deterministic: true`` warm start on the same kind of GPU repeats the same parameters.
+
+With ``keep_checkpoints: false`` a cell that finishes keeps its records (settings, metrics,
+results, plots) and loses its checkpoints and its copy of the starting policy (a `medium` run's
+are ~15 GB; a GPU machine's disk holds a few), so it cannot be continued: a start that would
+continue one with other settings is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import fnmatch
 import gc
 import itertools
 import json
+import shutil
 import sys
 import traceback
 from collections.abc import Sequence
@@ -50,6 +57,8 @@ from trace_jax.rl import runlog
 SWEEP_FILE = "sweep.yaml"
 WARM_START = "warm_start"
 ERROR_FILE = "error.txt"
+# What a finished cell loses under keep_checkpoints: false (its records stay).
+PRUNED = ("checkpoints", "policy", "guidance_spill")
 # Grid keys that would change the warm start every cell shares.
 SHARED = ("model", "model_overrides", "hf_checkpoint", "task", "warm_start", "init_checkpoint")
 CellState = Literal["done", "partial", "failed", "todo"]
@@ -76,6 +85,7 @@ class Sweep:
     base_config: dict[str, Any]
     warm_start: Cell
     cells: tuple[Cell, ...]
+    keep_checkpoints: bool = True
 
     def record(self) -> dict[str, Any]:
         """What ``sweep.yaml`` holds: the base resolved with the overrides (the settings every
@@ -87,6 +97,7 @@ class Sweep:
             "base_config": self.base_config,
             "grid": self.grid,
             "warm_start_dir": str(self.warm_start_dir),
+            "keep_checkpoints": self.keep_checkpoints,
             "cells": {c.name: c.values for c in self.cells},
         }
 
@@ -117,7 +128,7 @@ def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
     from experiments.runner import resolve_data
 
     spec = load_yaml(path)
-    known = ("base", "overrides", "grid", "sweep_dir", "warm_start_dir")
+    known = ("base", "overrides", "grid", "sweep_dir", "warm_start_dir", "keep_checkpoints")
     unknown = sorted(set(spec) - set(known))
     if unknown:
         raise ConfigError(f"{path}: {', '.join(unknown)}: unknown; known: {', '.join(known)}")
@@ -128,6 +139,9 @@ def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"{path}: overrides: expected a list of key=value strings")
     overrides = (*overrides, *extra_overrides)
+    keep = spec.get("keep_checkpoints", True)
+    if not isinstance(keep, bool):
+        raise ConfigError(f"{path}: keep_checkpoints: expected true or false, got {keep!r}")
     grid = spec.get("grid") or {}
     if not isinstance(grid, dict) or not grid:
         raise ConfigError(f"{path}: grid: expected a mapping of key -> list of values")
@@ -167,6 +181,7 @@ def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
         base_config,
         warm_start,
         tuple(cells),
+        keep,
     )
 
 
@@ -227,6 +242,19 @@ def run_sweep(
             f"--only {only}: matches none of {', '.join(c.name for c in sweep.cells)}"
         )
     diff = check_record(sweep, allow_change)
+    pruned = [
+        c.name
+        for c in cells
+        if cell_state(sweep.sweep_dir / c.name) == "done"
+        and not finished(sweep.sweep_dir / c.name, c)
+        and not (sweep.sweep_dir / c.name / "checkpoints").exists()
+    ]
+    if pruned:
+        raise ConfigError(
+            f"{', '.join(pruned)}: finished with other settings and without checkpoints "
+            "(keep_checkpoints: false), so they cannot be continued with these; move them aside "
+            "to run them again"
+        )
     if dry_run:
         print(listing(sweep, cells))
         return 0
@@ -259,6 +287,9 @@ def run_sweep(
                 file=sys.stderr,
             )
             failed.append(cell.name)
+        if not sweep.keep_checkpoints and cell_state(run_dir) == "done":
+            for name in PRUNED:
+                shutil.rmtree(run_dir / name, ignore_errors=True)
         gc.collect()  # the cell's parameters and engines, before the next allocates its own
     print("\n" + listing(sweep, cells))
     print(f"report: python -m experiments report {sweep.sweep_dir}")

@@ -70,7 +70,8 @@ class Crash(Exception):
 def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     tmp_path, capsys, monkeypatch, small_yaml, one_line
 ):
-    path, sweep_dir = sweep_file(tmp_path, small_yaml()), tmp_path / "sweep"
+    path = sweep_file(tmp_path, small_yaml(), keep_checkpoints=False)
+    sweep_dir = tmp_path / "sweep"
     real_step, real_init = loop.RLRun.rl_step, loop.RLRun.__init__
 
     # Killed inside the second RL step of the third cell (after the checkpoint of step 0).
@@ -116,6 +117,9 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         assert cfg["init_checkpoint"] == str(sweep_dir / "warm_start")
         steps = [r["step"] for r in runlog.read_metrics(sweep_dir / cell / "metrics.jsonl")]
         assert steps == [0, 1]
+        # keep_checkpoints: false: a finished cell keeps its records only
+        assert not any((sweep_dir / cell / d).exists() for d in ("checkpoints", "policy"))
+    assert (sweep_dir / "warm_start" / "policy").is_dir()
     assert not (sweep_dir / CELLS[3] / "error.txt").exists()
 
     # Other settings for the same folder: refused in one line, before anything runs; a time
@@ -172,6 +176,10 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     err = one_line(capsys.readouterr().err)
     assert f"{CELLS[1]} (ffffffffffffffff): started RL from other parameters" in err
     assert f"(sha256 {start[:16]})" in err
+    # a finished cell without its checkpoints is not continued with other settings
+    assert main(["sweep", path, "steps=3", "--allow-config-change"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{CELLS[0]}, {CELLS[1]}" in err and "cannot be continued" in err
     for name in ("eval_reward", "mismatch", "codes", "mismatch_by_layer", "timing"):
         assert f"![{name}]({name}.png)" in table
         image = plt_imread(out_dir / f"{name}.png")
