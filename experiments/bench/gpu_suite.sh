@@ -56,6 +56,9 @@ STEPS=(
   "trainer-profile|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
   "trainer-profile-xla|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul xla"
   "trainer-profile-deterministic|300|XLA_FLAGS='--xla_gpu_deterministic_ops=true --xla_gpu_enable_command_buffer=' $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
+  # TRACE's guidance path for one `medium` rollout batch of the recipe (1,024 x 64 slots, 344 MiB):
+  # device -> host cache -> trainer's device arrays
+  "rl-guidance-path|200|$PY $BENCH/guidance_path.py --preset medium --batch 1024 --slots 64"
   "rl-overhead-medium|420|$PY $BENCH/trace_overhead.py --preset medium --batch 256 --prompt-len 32 --new 48 --repeats 3"
   "rl-compile-scaling|540|for l in 2 4 8; do $PY $BENCH/trace_overhead.py --preset medium --layers \$l --batch 64 --prompt-len 16 --new 16 --repeats 1 2>&1 | grep -E 'first call|layers'; done"
   "rl-smoke-medium|480|$RUN $MEDIUM experiment=fp4_trace warm_start.steps=20 steps=6 eval_every=3 eval_problems=64 --run-dir runs/smoke-trace && $PHASES runs/smoke-trace"

@@ -198,6 +198,32 @@ def test_round_trip_through_a_spill_is_bit_exact(fmt, tmp_path):
     np.testing.assert_array_equal(np.asarray(guided.codes), np.asarray(want.codes))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_batches_are_read_back_as_rows_alike_per_sample_stacking(fmt, tmp_path):
+    """Micro-batches of rows of put batches (one batch whole in its order, rows of two batches
+    in any order, one row spilled) equal the stacks of the per-sample records; a whole batch in
+    its order comes back as the cache's own arrays, read-only."""
+    a, b = rollout_batch(fmt, seed=1), rollout_batch(fmt, seed=2)
+    host = lambda r: {n: jax.tree_util.tree_map(np.asarray, x) for n, x in r.items()}  # noqa: E731
+    rows = {**split_records(host(a), [0, 1, 2]), **split_records(host(b), [3, 4, 5])}
+    cache = GuidanceCache(tmp_path, host_budget_bytes=10**9)
+    cache.put_batch(4, [0, 1, 2], a)
+    cache.put_batch(4, [3, 4, 5], b)
+    whole = cache.get(4, [0, 1, 2])
+    assert_records_equal(whole, stack_records([rows[i] for i in (0, 1, 2)]))
+    codes = whole["layers.2.kv.k"].mantissa_bits
+    assert not codes.flags.writeable
+    for ids in ([2, 0], [4, 0, 5, 1], [3, 4, 5, 0, 1, 2]):
+        assert_records_equal(cache.get(4, ids), stack_records([rows[i] for i in ids]))
+    assert_records_equal(cache.get(4, [1, 1]), stack_records([rows[1], rows[1]]))
+    cache._spill([cache._entries[(4, 4)]])  # one row of the second batch on disk
+    assert cache.spill_path(4, 4) is not None and cache.spill_path(4, 3) is None
+    for ids in ([3, 4, 5], [5, 4, 0]):
+        assert_records_equal(cache.get(4, ids), stack_records([rows[i] for i in ids]))
+    padded = cache.get(4, [0, 2], length=7)
+    assert_records_equal(padded, stack_records([rows[0], rows[2]], length=7))
+
+
 def test_budget_spills_the_oldest_records_and_bounds_host_bytes(tmp_path):
     batches = [rollout_batch("nvfp4", seed=s) for s in range(3)]
     per_sample = sample_nbytes(split_records(batches[0], [0, 1, 2])[0])

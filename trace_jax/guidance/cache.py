@@ -298,35 +298,67 @@ class CacheStats:
 
 
 class _Transfer:
-    """Arrays handed to one ``put``/``put_batch`` call, copied to the host when first needed."""
+    """Arrays handed to one ``put``/``put_batch`` call, copied to the host when first needed.
+
+    A batch stays one set of host arrays [B, T, ...]; its samples are rows of it (``rows``), cut
+    out only where one is needed alone (a spill, a micro-batch padded to another length)."""
 
     def __init__(self, record: Mapping[str, SiteRecord], sample_ids: Sequence[SampleId] | None):
         self.record = dict(record)
-        self.sample_ids = sample_ids  # None: a single sample's record
+        self.rows = None if sample_ids is None else {sid: i for i, sid in enumerate(sample_ids)}
         for leaf in jax.tree_util.tree_leaves(self.record):
             if isinstance(leaf, jax.Array):
                 leaf.copy_to_host_async()
-        self._host: dict[SampleId, Record] | None = None
+        self._host: Record | None = None
 
-    def host_record(self, sample_id: SampleId) -> Record:
+    def host(self) -> Record:
+        """The record on the host (numpy arrays the cache owns; a batch's: [B, T, ...])."""
         if self._host is None:
-            host = jax.tree_util.tree_map(np.asarray, self.record)
-            if self.sample_ids is None:
-                self._host = {sample_id: jax.tree_util.tree_map(np.array, host)}
-            else:
-                self._host = split_records(host, self.sample_ids)
+            self._host = jax.tree_util.tree_map(_host_copy, self.record)
             self.record = {}  # drop the device arrays
-        return self._host.pop(sample_id)
+        return self._host
+
+
+def _host_copy(a) -> np.ndarray:
+    """A host array the cache may keep: a device array's host copy (read-only, made once), or a
+    copy of a numpy input (the caller may reuse its own)."""
+    return np.asarray(a) if isinstance(a, jax.Array) else np.array(a)
+
+
+def _row(batch: Record, i: int) -> Record:
+    """Sample ``i`` of a batched host record: views [T, ...] (a scalar global scale shared)."""
+    return {
+        name: dataclasses.replace(
+            rec,
+            **{f: _take_row(getattr(rec, f), i) for f in _array_fields(rec)},
+            shape=tuple(rec.shape[1:]),
+            axis=rec.axis - 1,
+        )
+        for name, rec in batch.items()
+    }
+
+
+def _take_row(a, i):
+    return a if np.ndim(a) == 0 else a[i]
 
 
 @dataclasses.dataclass
 class _Entry:
+    """One sample's record: in flight (``transfer``), in host memory (``host``: its own record,
+    or row ``row`` of a batch's), or on disk (``spill``)."""
+
     version: int
     sample_id: SampleId
     nbytes: int
     host: Record | None = None
     transfer: _Transfer | None = None
     spill: Path | None = None
+    row: int | None = None
+
+    def record(self) -> Record:
+        """The sample's host record [T, ...] (after ``GuidanceCache._to_host``)."""
+        assert self.host is not None
+        return self.host if self.row is None else _row(self.host, self.row)
 
 
 class GuidanceCache:
@@ -422,7 +454,9 @@ class GuidanceCache:
 
     def _to_host(self, entry: _Entry) -> None:
         if entry.transfer is not None:
-            entry.host = entry.transfer.host_record(entry.sample_id)
+            rows = entry.transfer.rows
+            entry.host = entry.transfer.host()
+            entry.row = None if rows is None else rows[entry.sample_id]
             entry.transfer = None
 
     def _enforce_budget(self):
@@ -465,7 +499,7 @@ class GuidanceCache:
             writes.append((entry, path, store.write(payload)))
         for entry, path, future in writes:
             future.result()
-            entry.host, entry.spill = None, path
+            entry.host, entry.row, entry.spill = None, None, path
             self._host_bytes -= entry.nbytes
             self._spilled_bytes += entry.nbytes
 
@@ -513,7 +547,8 @@ class GuidanceCache:
           length: pad the token axis to this length (see ``stack_records``).
         Returns:
           site name -> record with numpy arrays [B, T, ...] (``jax.device_put`` it with the
-          trainer's sharding). Spilled records are read back and stay on disk.
+          trainer's sharding; read-only where they are the cache's own, e.g. one whole batch
+          asked for in its order). Spilled records are read back and stay on disk.
         Raises:
           GuidanceVersionError: a sample is cached only under other versions.
           GuidanceNotFoundError: a sample is not cached at all.
@@ -523,13 +558,16 @@ class GuidanceCache:
         ids = [_sample_id(sid) for sid in sample_ids]
         with self._lock:
             entries = [self._lookup(version, sid) for sid in ids]
-            records = []
             for entry in entries:
-                if entry.spill is not None:
-                    records.append(self._load(entry))
-                else:
+                if entry.spill is None:
                     self._to_host(entry)
-                    records.append(entry.host)
+            gathered = _rows_of_batches(entries, length)
+            if gathered is not None:
+                return gathered
+            records = [
+                self._load(entry) if entry.spill is not None else entry.record()
+                for entry in entries
+            ]
         return stack_records(records, length)
 
     def _lookup(self, version: int, sample_id: SampleId) -> _Entry:
@@ -617,6 +655,68 @@ class GuidanceCache:
         self.close()
 
 
+def _rows_of_batches(entries: Sequence[_Entry], length: int | None) -> Record | None:
+    """The micro-batch of ``entries`` gathered from the host batches they are rows of: one
+    indexing per array and batch, no per-sample records (``stack_records``'s result for them).
+    None where that does not apply: an entry spilled or put alone, batches that do not stack
+    (other sites, formats, shapes, per-tensor scales), padding to another length."""
+    if not entries or any(e.row is None or e.host is None for e in entries):
+        return None
+    batches: dict[int, Record] = {}
+    for e in entries:
+        batches.setdefault(id(e.host), e.host)
+    first = next(iter(batches.values()))
+    for batch in batches.values():
+        if set(batch) != set(first) or not all(
+            _stack_alike(batch[name], ref) for name, ref in first.items()
+        ):
+            return None
+    if length is not None and any(length != rec.shape[1] for rec in first.values()):
+        return None
+    n = len(entries)
+    which = np.asarray([id(e.host) for e in entries])
+    rows = np.asarray([e.row for e in entries])
+    # one whole batch in its own order (a rollout batch trained on at once): its arrays, read-only
+    whole = len(batches) == 1 and np.array_equal(rows, np.arange(_batch_rows(first)))
+    out: Record = {}
+    for name, ref in first.items():
+        arrays = {}
+        for f in _array_fields(ref):
+            a = getattr(ref, f)
+            if np.ndim(a) == 0:  # a per-tensor global scale, the same in every batch
+                arrays[f] = np.array(a)
+            elif whole:
+                arrays[f] = a.view()
+                arrays[f].flags.writeable = False
+            elif len(batches) == 1:
+                arrays[f] = np.take(a, rows, axis=0)
+            else:
+                arrays[f] = np.empty((n, *a.shape[1:]), a.dtype)
+                for key, batch in batches.items():
+                    at = np.flatnonzero(which == key)
+                    arrays[f][at] = np.take(getattr(batch[name], f), rows[at], axis=0)
+        out[name] = dataclasses.replace(ref, **arrays, shape=(n, *ref.shape[1:]))
+    return out
+
+
+def _batch_rows(batch: Record) -> int:
+    return next(iter(batch.values())).shape[0]
+
+
+def _stack_alike(rec: SiteRecord, ref: SiteRecord) -> bool:
+    """Whether two batched records' rows stack into one micro-batch."""
+    same = (
+        type(rec) is type(ref)
+        and rec.fmt == ref.fmt
+        and rec.axis == ref.axis
+        and tuple(rec.shape[1:]) == tuple(ref.shape[1:])
+        and _per_row(rec) == _per_row(ref)
+    )
+    if same and not _per_row(rec):
+        return np.asarray(rec.global_scale).tobytes() == np.asarray(ref.global_scale).tobytes()
+    return same
+
+
 # ----------------------------------------------------------------------------- encoding
 
 
@@ -637,10 +737,10 @@ def _zarr_spec(path: Path) -> dict[str, Any]:
 
 def _encode(entry: _Entry) -> tuple[np.ndarray, dict[str, Any]]:
     """A record -> its bytes (arrays in site order, each aligned) and the zarr attributes."""
-    assert entry.host is not None
+    record = entry.record()
     arrays, layout, offset = [], [], 0
-    for name in sorted(entry.host):
-        rec = entry.host[name]
+    for name in sorted(record):
+        rec = record[name]
         site = {
             "site": name,
             "kind": _kind(rec),
