@@ -2,8 +2,10 @@
 
 A *record* is what the rollout keeps of one sample: site name -> ``Guidance`` (or, in the
 diagnostic mode, ``QTensor``) whose arrays have the sample's token positions as leading dim
-``[T, ...]``. The engine produces a batch ``[B, T, ...]``; ``split_records`` cuts it into
-per-sample records and ``stack_records`` builds a trainer micro-batch ``[B', T, ...]`` back.
+``[T, ...]``. The engine produces a batch ``[B, T, ...]``; the cache keeps it whole on the host,
+each sample a row of it, and ``get`` gathers a trainer micro-batch ``[B', T, ...]`` from the rows
+(``split_records`` and ``stack_records`` do the same per sample: for spills, records put one by
+one, and padding).
 
 Data path (TRACE section 4)::
 
