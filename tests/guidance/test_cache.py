@@ -386,3 +386,23 @@ def test_evict_drops_old_versions_from_host_and_disk(tmp_path):
     assert cache.get(3, ["3.0", "3.2"])["layers.2.kv.k"].shape[0] == 2
     cache.close()
     assert len(cache) == 0 and not list(tmp_path.iterdir())
+
+
+def test_discard_drops_records_from_host_and_disk(tmp_path):
+    batch = rollout_batch("nvfp4")
+    per_sample = sample_nbytes(split_records(batch, [0, 1, 2])[0])
+    cache = GuidanceCache(tmp_path, host_budget_bytes=int(1.5 * per_sample))
+    cache.put_batch(2, [0, 1, 2], batch)  # two spilled, one in host memory
+    spilled = cache.spill_path(2, 0)
+    assert spilled is not None and spilled.is_dir() and cache.spill_path(2, 2) is None
+    cache.discard(2, [0, 2])
+    stats = cache.stats()
+    assert (stats.records, stats.host_bytes, stats.spilled_bytes) == (1, 0, per_sample)
+    assert not spilled.exists()
+    for sid in (0, 2):
+        with pytest.raises(GuidanceNotFoundError):
+            cache.get(2, [sid])
+    want = split_records(jax.tree_util.tree_map(np.asarray, batch), [0, 1, 2])[1]
+    assert_records_equal(cache.get(2, [1]), stack_records([want]))
+    cache.put_batch(2, [0, 2], {n: fp4.take_rows(r, jnp.asarray([0, 2])) for n, r in batch.items()})
+    assert (2, 0) in cache and len(cache) == 3  # a discarded sample may come again

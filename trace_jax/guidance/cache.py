@@ -621,15 +621,7 @@ class GuidanceCache:
         with self._lock:
             old = [key for key in self._entries if key[0] < version_below]
             for key in old:
-                entry = self._entries.pop(key)
-                versions = self._versions[entry.sample_id]
-                versions.discard(entry.version)
-                if not versions:
-                    del self._versions[entry.sample_id]
-                if entry.spill is not None:
-                    self._spilled_bytes -= entry.nbytes
-                else:
-                    self._host_bytes -= entry.nbytes
+                self._drop(self._entries[key], remove_spill=False)  # their folders go below
             self._in_flight = [e for e in self._in_flight if e.version >= version_below]
             if self.directory is not None:
                 for vdir in self.directory.glob("v*"):
@@ -638,6 +630,31 @@ class GuidanceCache:
             bound = self._evicted_below
             self._evicted_below = version_below if bound is None else max(bound, version_below)
             return len(old)
+
+    def discard(self, version: int, sample_ids: Iterable[SampleId]) -> None:
+        """Drop the records of ``sample_ids`` under ``version`` (host and disk), e.g. once the
+        trainer has taken them for good; later puts of that version are still accepted."""
+        version = int(version)
+        with self._lock:
+            entries = [self._lookup(version, _sample_id(sid)) for sid in sample_ids]
+            for entry in entries:
+                self._drop(entry)
+            gone = {id(e) for e in entries}
+            self._in_flight = [e for e in self._in_flight if id(e) not in gone]
+
+    def _drop(self, entry: _Entry, remove_spill: bool = True) -> None:
+        del self._entries[(entry.version, entry.sample_id)]
+        versions = self._versions[entry.sample_id]
+        versions.discard(entry.version)
+        if not versions:
+            del self._versions[entry.sample_id]
+        if entry.spill is not None:
+            self._spilled_bytes -= entry.nbytes
+            if remove_spill:
+                shutil.rmtree(entry.spill, ignore_errors=True)
+        else:
+            self._host_bytes -= entry.nbytes
+        entry.host = entry.transfer = None
 
     def close(self) -> None:
         """Drop every record and delete the spilled files."""

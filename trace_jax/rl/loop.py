@@ -590,10 +590,14 @@ class RLRun:
         t0 = time.perf_counter()
         # this process's rows of the records, as the cache keeps them (host arrays)
         mine = _with_rows(jax.tree.map(process_rows, records), 0, 1 / self.parts)
+        # older versions are never trained on again: evicted before this one comes in, and this
+        # batch's records leave once on the trainer's device, so that the host budget holds one
+        # batch (a TRACE-all batch of the medium recipe: ~0.7 GB) instead of spilling to disk
+        cache.evict(version_below=version)
         cache.put_batch(version, ids, mine)
         fetched = cache.get(version, ids)
         guidance = jax.block_until_ready(self._place(fetched))
-        cache.evict(version_below=version)  # older versions are never trained on again
+        cache.discard(version, ids)
         # every part of the batch has records of the same shapes for as many rows
         nbytes = sum(r.nbytes for r in fetched.values()) * self.parts
         return guidance, {
