@@ -231,14 +231,7 @@ def stack_records(records: Sequence[Mapping[str, SiteRecord]], length: int | Non
         for i, r in enumerate(records):
             rec = r[name]
             check_record(name, rec)
-            same = (
-                type(rec) is type(first)
-                and rec.fmt == first.fmt
-                and rec.axis == first.axis
-                and tuple(rec.shape[1:]) == tuple(first.shape[1:])
-                and _per_row(rec) == _per_row(first)
-            )
-            if not same:
+            if not _same_layout(rec, first):
                 raise ValueError(
                     f"site {name}: record {i} ({type(rec).__name__} {rec.fmt.name}, shape "
                     f"{rec.shape}, axis {rec.axis}) does not stack with record 0 "
@@ -722,18 +715,26 @@ def _batch_rows(batch: Record) -> int:
     return next(iter(batch.values())).shape[0]
 
 
-def _stack_alike(rec: SiteRecord, ref: SiteRecord) -> bool:
-    """Whether two batched records' rows stack into one micro-batch."""
-    same = (
+def _same_layout(rec: SiteRecord, ref: SiteRecord) -> bool:
+    """Whether two records (alike batched, or alike per sample) have one type, format, axis,
+    shape past the leading axis and kind of global scale: their leading entries stack."""
+    return (
         type(rec) is type(ref)
         and rec.fmt == ref.fmt
         and rec.axis == ref.axis
         and tuple(rec.shape[1:]) == tuple(ref.shape[1:])
         and _per_row(rec) == _per_row(ref)
     )
-    if same and not _per_row(rec):
+
+
+def _stack_alike(rec: SiteRecord, ref: SiteRecord) -> bool:
+    """Whether two batched records' rows stack into one micro-batch (a per-tensor global scale
+    must be the same)."""
+    if not _same_layout(rec, ref):
+        return False
+    if not _per_row(rec):
         return np.asarray(rec.global_scale).tobytes() == np.asarray(ref.global_scale).tobytes()
-    return same
+    return True
 
 
 # ----------------------------------------------------------------------------- encoding
