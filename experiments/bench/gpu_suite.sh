@@ -15,6 +15,8 @@ BENCH=experiments/bench
 RUN="$PY -m experiments run"
 MEDIUM=configs/reasoning/medium.yaml
 PHASES="$PY $BENCH/rl_phases.py"
+# the modes named, after the recipe's warm start (kept in runs/ws-modes for later steps)
+MODES="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1 || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
 # Programs compiled by one step are loaded by the next (the machine starts with no cache).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 
@@ -78,9 +80,12 @@ STEPS=(
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
   "rl-compile-qat|500|export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; for r in 8 0; do timeout -s ABRT 230 $RUN $MEDIUM experiment=fp4_qat warm_start.steps=2 steps=2 eval_problems=0 checkpoint_every=100000 code_metrics_rows=\$r --run-dir runs/compile-qat-\$r > $OUT/compile-qat-\$r.log 2>&1; echo \"code_metrics_rows=\$r rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/compile-qat-\$r.log | awk '\$(NF-1) > 2 {print \$(NF-1), \$0}' | sort -g | tail -15; rm -rf runs/compile-qat-\$r/checkpoints runs/compile-qat-\$r/policy; done"
-  # the five modes from one warm start, a few RL steps each under the recipe (checkpoints removed:
-  # a `medium` run's final checkpoint is ~11 GB, and the machine's disk ~64 GB)
-  "rl-modes-medium|565|$RUN $MEDIUM steps=0 --run-dir runs/ws-modes && for e in fp4_rollout_bf16_train fp4_qat fp4_trace fp4_trace_all; do timeout 110 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*"
+  # the FP4 modes from one warm start (made once per machine: runs/ws-modes), 12 RL steps each
+  # under the recipe, two modes a step; each program's compile seconds from JAX_LOG_COMPILES
+  # (a mode stopped at its limit prints its Python stack); checkpoints removed (a `medium`
+  # run's final one is ~11 GB, the machine's disk ~64 GB); then the phases side by side
+  "rl-modes-qat-trace|565|$MODES fp4_qat fp4_trace"
+  "rl-modes-all-naive|565|$MODES fp4_trace_all fp4_rollout_bf16_train"
 )
 
 if [ "${1:-}" = "--list" ]; then
