@@ -123,6 +123,8 @@ def compare(run_dirs: Sequence[str], out: str | None = None) -> int:
 TABLE_COLUMNS = (
     ("eval/reward_start", "eval reward, start"),
     ("eval/reward_end", "eval reward, end"),
+    ("eval/reward_bf16_start", "eval reward in BF16, start"),
+    ("eval/reward_bf16_end", "eval reward in BF16, end"),
     ("reward/first_fifth", "train reward, first 5th"),
     ("reward/last_fifth", "train reward, last 5th"),
     ("mismatch/logp_abs/last_fifth", "logp_abs"),
@@ -138,14 +140,14 @@ TOTALS = ("step_s", "train/step_s")  # sums of other phases: drawn after them, m
 
 def _rl_curve(records: Sequence[dict], key: str) -> dict[int, float]:
     """``{RL steps done: value}`` of ``key`` (RL step i's record counts as i + 1 steps done);
-    for ``eval/reward``, the evaluation before RL is at 0; a share of mismatches only where it
-    is defined."""
+    for ``eval/reward`` (``eval/reward_bf16``), the evaluation before RL is at 0; a share of
+    mismatches only where it is defined."""
     rl = [r for r in records if "reward" in r]
     out = {i + 1: float(r[key]) for i, r in enumerate(rl) if key in r}
     if key.startswith(runlog.SHARES_OF_MISMATCHES):  # undefined at a step without mismatches
         out = {i: v for i, v in out.items() if not math.isnan(v)}
-    if key == "eval/reward" and rl and "eval/reward_start" in rl[0]:
-        out[0] = float(rl[0]["eval/reward_start"])
+    if key in runlog.EVAL_KEYS and rl and f"{key}_start" in rl[0]:
+        out[0] = float(rl[0][f"{key}_start"])
     return dict(sorted(out.items()))
 
 
@@ -228,7 +230,8 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)}",
         "",
         "Mean ± sample sd over the n finished seeds. Eval reward: greedy, on the "
-        f"{'/'.join(splits)} split, before RL (start) and at the last evaluation (end). Train "
+        f"{'/'.join(splits)} split, before RL (start) and at the last evaluation (end), with the "
+        "rollout's precision and (`eval_bf16`) in BF16, as the BF16 reference evaluates. Train "
         "reward: the sampled rollouts, over the first and last fifth of the RL steps. Mismatch "
         "and code columns: mean of the last fifth. Throughput and step time: mean over the RL "
         "steps after the first (which compiles).",
@@ -339,7 +342,23 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
 
     band = "line: mean over seeds, band: ± 1 sd"
     figures = [
-        ("eval_reward.png", [("eval/reward", "greedy eval reward", "mean reward", False)]),
+        (
+            "eval_reward.png",
+            [
+                (
+                    "eval/reward",
+                    "greedy eval reward, the rollout's precision",
+                    "mean reward",
+                    False,
+                ),
+                (
+                    "eval/reward_bf16",
+                    "greedy eval reward in BF16 (all modes alike)",
+                    "mean reward",
+                    False,
+                ),
+            ],
+        ),
         (
             "mismatch.png",
             [

@@ -213,6 +213,38 @@ def test_every_mode_starts_rl_from_one_bf16_warm_start(tmp_path):
         loop.RLRun(small(warm_start={"steps": 0}, init_checkpoint=str(tmp_path / "none")), "/x")
 
 
+def test_an_fp4_run_evaluates_in_bf16_as_the_bf16_reference_does(tmp_path):
+    """``eval_bf16``: an FP4-rollout run also evaluates with the BF16 reference's engine (its
+    policy and config), so from one warm start both report the same BF16 reward before RL; the
+    reference logs its own evaluation under both keys, with no second engine."""
+    from trace_jax.model import QuantPolicy
+    from trace_jax.rl import runlog
+
+    quiet = dict(log=lambda *_: None)
+    loop.RLRun(small(steps=0, eval_problems=0), tmp_path / "warm", **quiet).run()
+    runs = {}
+    for name, mode in {"bf16": dict(train_mode="bf16", rollout="bf16"), "trace": {}}.items():
+        cfg = small(
+            warm_start={"steps": 0},
+            init_checkpoint=str(tmp_path / "warm"),
+            steps=1,
+            eval_bf16=True,
+            **mode,
+        )
+        runs[name] = loop.RLRun(cfg, tmp_path / name, **quiet)
+        runs[name].run()
+    ref, fp4 = runs["bf16"], runs["trace"]
+    assert ref.bf16_eval_engine is None and fp4.eval_engine.policy != QuantPolicy.bf16()
+    assert fp4.bf16_eval_engine.policy == ref.eval_engine.policy == QuantPolicy.bf16()
+    assert fp4.bf16_eval_engine.cfg == ref.eval_engine.cfg
+    first = {n: runlog.read_metrics(tmp_path / n / "metrics.jsonl")[0] for n in runs}
+    want = first["bf16"]["eval/reward_start"]
+    assert first["bf16"]["eval/reward_bf16_start"] == want
+    assert first["trace"]["eval/reward_bf16_start"] == want
+    summary = runlog.summarize(runlog.read_metrics(tmp_path / "trace" / "metrics.jsonl"))
+    assert summary["eval/reward_bf16_start"] == want and "eval/reward_bf16_end" in summary
+
+
 def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch):
     """Under staleness 2 the samples of version v - 2 are trained with that version's guidance;
     guidance filed under any other version never reaches them."""

@@ -1,6 +1,8 @@
 """The memory lower bound of an RL run, counted from its config: parts by hand, and a run over
 the device's budget refused in one line naming the budget and the knobs."""
 
+import dataclasses
+
 import pytest
 
 from trace_jax.config import ConfigError
@@ -30,6 +32,10 @@ def test_parts_by_hand():
     assert got["scanned layer copies"] == 2 * 12 * layer * 4
     unscanned = memory.plan(rl, MEDIUM.replace(scan_layers=False), max_len=70).parts
     assert unscanned["scanned layer copies"] == 0
+    # an FP4 rollout's evaluation in BF16 holds the model's BF16 weights once more
+    assert got["BF16 evaluation engine"] == 0
+    both = dataclasses.replace(rl, eval_bf16=True)
+    assert memory.plan(both, MEDIUM, max_len=70).parts["BF16 evaluation engine"] == 2 * n
 
 
 def test_a_run_over_the_budget_is_refused_naming_it_and_the_knobs():

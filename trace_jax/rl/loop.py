@@ -180,6 +180,9 @@ class RLConfig:
     eval_problems: eval problems per evaluation.
     eval_split: the split evaluated: "eval" (held out) or "train" (the first training problems;
       for tasks so small that a tiny model can only memorise them).
+    eval_bf16: also evaluate with BF16 weights, activations and KV cache, as the BF16-rollout
+      reference evaluates (``eval/reward_bf16``; an FP4-rollout run compiles one more engine,
+      a BF16 one logs its ``eval/reward``): every mode's policy measured the same way.
     checkpoint_every: checkpoint every this many steps (and at the end).
     deterministic: XLA's deterministic GPU ops (``--xla_gpu_deterministic_ops``, set by the
       entry point before the GPU starts): a warm start repeated on another machine gives
@@ -235,6 +238,7 @@ class RLConfig:
     eval_every: int = 10
     eval_problems: int = 64
     eval_split: Literal["eval", "train"] = "eval"
+    eval_bf16: bool = False
     checkpoint_every: int = 10
     time_limit_min: float = 0.0
     deterministic: bool = False
@@ -487,6 +491,12 @@ class RLRun:
         # Greedy evaluation with the rollout's precision, config and policy (its records are
         # not used): batches of the rollout's size run the rollout's compiled programs.
         self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
+        # The BF16 reference's evaluation, for an FP4 rollout's policy (eval_bf16): that run's
+        # engine config, so that both measure a policy alike.
+        self.bf16_eval_engine = None
+        if cfg.eval_bf16 and cfg.rollout == "fp4":
+            bf16_cfg = dataclasses.replace(rollout_cfg, kv_cache="bf16", fp4_weights=False)
+            self.bf16_eval_engine = RolloutEngine(model, QuantPolicy.bf16(), bf16_cfg, greedy=True)
         self.guidance_bytes = model_guidance_bytes(self.model_cfg, self.rollout_policy)
         self.ref_params = None  # the frozen policy RL started from (for loss.kl_coef > 0)
 
@@ -535,12 +545,23 @@ class RLRun:
         return self.io.rollout(engine, problems, key, self.cfg.max_turns, times=times)
 
     def evaluate(self, params, step: int) -> dict[str, float]:
-        """Greedy rollouts on the eval split with the rollout's precision: mean reward."""
-        n = self.cfg.eval_problems
-        if n == 0:
+        """Greedy rollouts on the eval split with the rollout's precision: mean reward
+        (``eval/reward``), and with ``eval_bf16`` in BF16 too (``eval/reward_bf16``)."""
+        if self.cfg.eval_problems == 0:
             return {}
         t0 = time.monotonic()
-        self.eval_engine.update_params(self.trainer.model(params), version=step)
+        out = {"eval/reward": self._greedy_reward(self.eval_engine, params, step)}
+        if self.cfg.eval_bf16:  # a BF16 rollout's own evaluation is the BF16 one
+            engine = self.bf16_eval_engine
+            out["eval/reward_bf16"] = (
+                out["eval/reward"] if engine is None else self._greedy_reward(engine, params, step)
+            )
+        self.eval_s = time.monotonic() - t0
+        return out
+
+    def _greedy_reward(self, engine: RolloutEngine, params, step: int) -> float:
+        n = self.cfg.eval_problems
+        engine.update_params(self.trainer.model(params), version=step)
         problems = [self.io.problem(self.cfg.eval_split, i) for i in range(n)]
         # In batches of the rollout's size (the last one filled up with repeats, not counted),
         # each process rolling out its part.
@@ -550,10 +571,9 @@ class RLRun:
         for i in range(0, n, size):
             chunk = [problems[(i + j) % n] for j in range(lo, hi)]  # the last one wraps around
             key = jax.random.fold_in(self._key(step, 2), i)
-            _, got = self.rollout(self.eval_engine, chunk, key)
+            _, got = self.rollout(engine, chunk, key)
             rewards.extend(self._gather(got)[: min(size, n - i)])
-        self.eval_s = time.monotonic() - t0
-        return {"eval/reward": float(np.mean(rewards))}
+        return float(np.mean(rewards))
 
     def _place(self, tree, batch_axis: int = 0):
         """This process's rows of a batch (host arrays, [rows, ...], and records of them) as the
@@ -741,10 +761,7 @@ class RLRun:
             self._start_policy(state.params)
             state = dataclasses.replace(self.trainer.init(state.params), step=state.step)
             history = [_copy(state.params)] * cfg.staleness
-            before = {
-                k.replace("eval/reward", "eval/reward_start"): v
-                for k, v in self.evaluate(state.params, step).items()
-            }
+            before = {f"{k}_start": v for k, v in self.evaluate(state.params, step).items()}
         rollout_params = history[0] if history else state.params
         if history:  # this version, for the rollouts `staleness` steps from now
             history = [*history[1:], _copy(state.params)]
@@ -884,12 +901,14 @@ PROGRESS_KEYS = {
     "sft/loss": "sft_loss",
     "reward": "reward",
     "eval/reward": "eval_reward",
+    "eval/reward_bf16": "eval_bf16",
     "mismatch/logp_abs": "logp_abs",
     "mismatch/guided_code_agreement": "guided_agree",
 }
 PLOT_KEYS = (
     "reward",
     "eval/reward",
+    "eval/reward_bf16",
     "mismatch/logp_abs",
     "mismatch/kl_k3",
     "mismatch/guided_code_agreement",

@@ -4,10 +4,12 @@ minutes later inside a compiled step.
 
 The count is a lower bound: the arrays the run must hold at once (master parameters and AdamW
 moments, one gradient, the stale-parameter history, the KL reference, each rollout engine's own
-weights, the stacked copies of the layers' parameters and gradients a scanned model
-(``scan_layers``) makes in the trainer, the KV cache and rollout records of a batch, the
-trainer's logits and a minimum of activations per token and layer). Compiled programs need
-more (temporaries, fragmentation); a run under the bound may still not fit, one over it cannot.
+weights (and a BF16 evaluation engine's, ``eval_bf16``), the stacked copies of the layers'
+parameters and gradients a scanned model (``scan_layers``) makes in the trainer, the KV cache
+and rollout records of a batch, the trainer's logits and the activations its backward pass
+keeps, ``saved_per_token``). Compiled programs need more (temporaries, fragmentation): a run
+under the bound may still not fit (on a GPU it is told so when likely: ``gpu_estimate``), one
+over it cannot.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
         "KL reference": n * master if rl.loss.kl_coef > 0 and not rl.ref_on_host else 0,
         "scanned layer copies": 2 * layer_params(cfg) * master if cfg.scan_layers else 0,
         "rollout engines (2)": 2 * engine,
+        "BF16 evaluation engine": n * compute if rl.rollout == "fp4" and rl.eval_bf16 else 0,
         "KV cache": kv,
         "trainer activations": activations,
     }

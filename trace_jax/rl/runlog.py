@@ -120,8 +120,9 @@ def _duration(s: float) -> str:
 
 def curve_points(records: Sequence[dict], key: str) -> list[tuple[int, float]]:
     """(step, value) of ``key`` in the records that log it; the greedy evaluation before RL,
-    logged as ``eval/reward_start``, is the first point of ``eval/reward``."""
-    also = "eval/reward_start" if key == "eval/reward" else key
+    logged as ``eval/reward_start`` (``eval/reward_bf16_start``), is the first point of
+    ``eval/reward`` (``eval/reward_bf16``)."""
+    also = f"{key}_start" if key in EVAL_KEYS else key
     return [(r["step"], r[key] if key in r else r[also]) for r in records if key in r or also in r]
 
 
@@ -163,6 +164,9 @@ def plot_curves(
 # ----------------------------------------------------------------------------- run summary
 
 
+# The greedy evaluations: in the rollout's precision, and in BF16 (``eval_bf16``).
+EVAL_KEYS = ("eval/reward", "eval/reward_bf16")
+
 LAST_FIFTH = (
     "mismatch/logp_abs",
     "mismatch/kl_k3",
@@ -184,7 +188,8 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
 
       eval_split, rl_steps, fifth: the split evaluated, the RL step count, the fifth's length.
       eval/reward_start, eval/reward_end: greedy reward on ``eval_split`` before the first RL
-        update and at the last evaluation.
+        update and at the last evaluation; eval/reward_bf16_start, eval/reward_bf16_end: the
+        same evaluated in BF16 (``eval_bf16``).
       reward/first_fifth, reward/last_fifth: mean train reward (sampled rollouts).
       <key>/last_fifth for the ``LAST_FIFTH`` keys (``mismatch/logp_abs``, ``mismatch/kl_k3``,
         the code agreement at guided sites and the one-code-step share of code mismatches):
@@ -204,11 +209,12 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
             values = [v for v in values if not math.isnan(v)]
         return sum(values) / len(values) if values else None
 
-    start = next((r["eval/reward_start"] for r in records if "eval/reward_start" in r), None)
-    end = [r["eval/reward"] for r in records if "eval/reward" in r]
-    stats = {
-        "eval/reward_start": start,
-        "eval/reward_end": end[-1] if end else None,
+    stats = {}
+    for key in EVAL_KEYS:
+        start = next((r[f"{key}_start"] for r in records if f"{key}_start" in r), None)
+        end = [r[key] for r in records if key in r]
+        stats[f"{key}_start"], stats[f"{key}_end"] = start, end[-1] if end else None
+    stats |= {
         "reward/first_fifth": mean("reward", rl[:k]),
         "reward/last_fifth": mean("reward", rl[-k:]),
         **{f"{key}/last_fifth": mean(key, rl[-k:]) for key in LAST_FIFTH},
@@ -227,6 +233,9 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float]]:
     labels = {
         "eval/reward_start": f"eval reward (greedy, {split} split), start of RL",
         "eval/reward_end": f"eval reward (greedy, {split} split), "
+        + ("end of RL" if n else "after the warm start"),
+        "eval/reward_bf16_start": f"eval reward in BF16 (greedy, {split} split), start of RL",
+        "eval/reward_bf16_end": f"eval reward in BF16 (greedy, {split} split), "
         + ("end of RL" if n else "after the warm start"),
         "reward/first_fifth": f"train reward (sampled), first {k} of {n} RL steps",
         "reward/last_fifth": f"train reward (sampled), last {k} of {n} RL steps",
