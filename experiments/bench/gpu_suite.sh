@@ -75,7 +75,7 @@ STEPS=(
   "rl-learn-medium-ws200|565|$RUN $MEDIUM warm_start.steps=200 time_limit_min=9 checkpoint_every=100000 --run-dir runs/learn-ws200; rm -rf runs/learn-ws200/checkpoints; $PHASES runs/learn-ws200"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
-  "rl-mismatch-bf16|420|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
+  "rl-mismatch-bf16|560|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)

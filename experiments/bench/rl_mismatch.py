@@ -48,6 +48,7 @@ def score_report(run: RLRun, params, batch: RLBatch, chunk: int) -> dict[str, fl
     scores against chunked ones."""
     logp, m = run.trainer.score(params, batch)
     out = {k: float(v) for k, v in m.items() if k.startswith("mismatch/") and k.count("/") == 1}
+    out["train/entropy"] = float(m["train/entropy"])  # a sharper policy, larger |log p| gaps
     mask = batch.loss_mask
     diff = jnp.abs(logp - batch.rollout_logp)
     first = _first_sampled(mask)
@@ -116,6 +117,7 @@ def main() -> None:
         "logp_abs/first_token",
         "logp_abs/later_tokens",
         "whole_vs_chunked_max",
+        "train/entropy",
     ]
     print("\n| sequences | rollout kernels | trainer kernels | " + " | ".join(keys) + " |")
     print("|" + " --- |" * (3 + len(keys)))
