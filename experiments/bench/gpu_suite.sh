@@ -49,6 +49,9 @@ STEPS=(
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
   # RL (the entry point needs the wheels of ../shared/tools/gpu-wheels; run dirs in runs/)
   "rl-mismatch-small|400|for b in xla pallas; do $RUN configs/trace_mismatch.yaml model=small batch=32 prompt_len=16 max_new_tokens=64 backend=\$b plot=false --run-dir runs/mismatch-\$b; done"
+  # JAX's Hopper grouped kernels against XLA's blocked form, 1 to 65,536 rows (the engine's
+  # decode step and the trainer's minibatch of the medium recipe)
+  "trainer-kernel-tests|300|$PY -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_bf16_grouped_matmul.py"
   # the trainer's expert matmuls at `medium` (a 64-sequence minibatch, a 256-sequence one): the
   # blocked XLA form against JAX's Hopper ragged_dot kernels
   "trainer-matmul|240|$PY $BENCH/grouped_matmul.py --preset medium --tokens 4352,17408"
