@@ -26,8 +26,9 @@ PHASES = (
 
 def phase_table(run_dir: Path) -> dict[str, float]:
     """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/transfer_bytes`` over the
-    RL steps of a run after its first (and of the warm start's steps after its first); plus the
-    last train reward, eval reward and logp_abs."""
+    RL steps of a run after its first (and of the warm start's steps after its first), the
+    first RL step's seconds (compilation included); plus the last train reward, eval rewards
+    and logp_abs."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     records = list(map(json.loads, lines))
     rl = [r for r in records if "reward" in r]
@@ -36,11 +37,14 @@ def phase_table(run_dir: Path) -> dict[str, float]:
     row: dict[str, float] = {"sft_steps": float(len(sft)), "rl_steps": float(len(rl))}
     if sft:  # the warm start's steps after its first (which compiles)
         row["sft/step_s"] = statistics.median(sft[1:] or sft)
+    if rl and "step_s" in rl[0]:  # compiles the rollout's and the trainer's programs
+        row["first RL step_s"] = rl[0]["step_s"]
     for key in (*PHASES, "rollout/tokens_per_s", "guidance/transfer_bytes"):
         values = [r[key] for r in steady if key in r]
         if values:
             row[key] = statistics.median(values)
-    for key in ("reward", "eval/reward", "mismatch/logp_abs", "mismatch/guided_code_agreement"):
+    last = ("reward", "eval/reward", "eval/reward_bf16", "mismatch/logp_abs")
+    for key in (*last, "mismatch/guided_code_agreement"):
         values = [r[key] for r in rl if key in r]
         if values:
             row[f"last {key}"] = values[-1]
