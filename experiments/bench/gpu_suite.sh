@@ -79,6 +79,8 @@ STEPS=(
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
   "rl-mismatch-bf16|560|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
+  # the same with XLA's decode attention in the engine instead of the Pallas kernel
+  "rl-mismatch-bf16-xla|400|$PY $BENCH/rl_mismatch.py $MEDIUM rollout_backend=xla --prompts 128 --json $OUT/rl-mismatch-bf16-xla.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
