@@ -173,23 +173,7 @@ def split_records(
         if rec.shape[0] != len(ids):
             raise ValueError(f"site {name}: batch of {rec.shape[0]} records, {len(ids)} sample ids")
 
-    def take(a, i):
-        if np.ndim(a) == 0:
-            return a
-        return np.array(a[i]) if isinstance(a, np.ndarray) else a[i]
-
-    out: dict[SampleId, Record] = {}
-    for i, sid in enumerate(ids):
-        out[sid] = {
-            name: dataclasses.replace(
-                rec,
-                **{f: take(getattr(rec, f), i) for f in _array_fields(rec)},
-                shape=tuple(rec.shape[1:]),
-                axis=rec.axis - 1,
-            )
-            for name, rec in batch.items()
-        }
-    return out
+    return {sid: _row(batch, i, copy=True) for i, sid in enumerate(ids)}
 
 
 @functools.cache
@@ -320,21 +304,24 @@ def _host_copy(a) -> np.ndarray:
     return np.asarray(a) if isinstance(a, jax.Array) else np.array(a)
 
 
-def _row(batch: Record, i: int) -> Record:
-    """Sample ``i`` of a batched host record: views [T, ...] (a scalar global scale shared)."""
+def _row(batch: Record, i: int, copy: bool = False) -> Record:
+    """Sample ``i`` of a batched record: [T, ...] slices (a scalar global scale shared; with
+    ``copy``, numpy slices copied)."""
+
+    def take(a):
+        if np.ndim(a) == 0:
+            return a
+        return np.array(a[i]) if copy and isinstance(a, np.ndarray) else a[i]
+
     return {
         name: dataclasses.replace(
             rec,
-            **{f: _take_row(getattr(rec, f), i) for f in _array_fields(rec)},
+            **{f: take(getattr(rec, f)) for f in _array_fields(rec)},
             shape=tuple(rec.shape[1:]),
             axis=rec.axis - 1,
         )
         for name, rec in batch.items()
     }
-
-
-def _take_row(a, i):
-    return a if np.ndim(a) == 0 else a[i]
 
 
 @dataclasses.dataclass
