@@ -1,5 +1,6 @@
 """Per-phase seconds of RL runs from their ``metrics.jsonl``: the median over the RL steps after
-the first (which compiles), one row per run, and reward / eval reward / mismatch at the end.
+the first (which compiles), one row per run, and reward / eval reward / mismatch at the end;
+before the table, each run's greedy evaluations by RL step.
 
     python experiments/bench/rl_phases.py runs/medium-bf16 runs/medium-trace ...
 """
@@ -51,10 +52,24 @@ def phase_table(run_dir: Path) -> dict[str, float]:
     return row
 
 
+def eval_curve(run_dir: Path, key: str = "eval/reward") -> list[tuple[int, float]]:
+    """(RL steps done, value) of a greedy evaluation, the one before RL at 0."""
+    records = list(map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()))
+    rl = [r for r in records if "reward" in r]
+    out = [(0, rl[0][f"{key}_start"])] if rl and f"{key}_start" in rl[0] else []
+    return out + [(i + 1, r[key]) for i, r in enumerate(rl) if key in r]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+")
     args = parser.parse_args(argv)
+    for d in args.run_dirs:  # the learning curves first: the table ends the output
+        for key in ("eval/reward", "eval/reward_bf16"):
+            curve = eval_curve(Path(d), key)
+            if curve:
+                points = " ".join(f"{step}:{value:.3f}" for step, value in curve)
+                print(f"{Path(d).name} {key} (RL steps: reward) {points}")
     rows = {Path(d).name: phase_table(Path(d)) for d in args.run_dirs}
     keys = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"{'':34s}" + "".join(f"{name[:16]:>17s}" for name in rows))

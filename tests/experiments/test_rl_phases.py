@@ -10,7 +10,13 @@ def test_medians_skip_each_parts_first_step(tmp_path):
     records = [{"step": 0, "sft/loss": 5.0, "sft/step_s": 30.0}]
     records += [{"step": i, "sft/loss": 4.0, "sft/step_s": s} for i, s in ((1, 0.3), (2, 0.5))]
     records += [
-        {"step": 3, "reward": 0.1, "step_s": 90.0, "rollout/decode_s": 60.0},
+        {
+            "step": 3,
+            "reward": 0.1,
+            "step_s": 90.0,
+            "rollout/decode_s": 60.0,
+            "eval/reward_start": 0.25,
+        },
         {"step": 4, "reward": 0.2, "step_s": 2.0, "rollout/decode_s": 1.0, "eval/reward": 0.3},
         {"step": 5, "reward": 0.4, "step_s": 4.0, "rollout/decode_s": 1.5},
     ]
@@ -19,3 +25,5 @@ def test_medians_skip_each_parts_first_step(tmp_path):
     assert row["sft_steps"] == 3 and row["sft/step_s"] == 0.4  # median of 0.3 and 0.5
     assert row["rl_steps"] == 3 and row["step_s"] == 3.0 and row["rollout/decode_s"] == 1.25
     assert row["last reward"] == 0.4 and row["last eval/reward"] == 0.3
+    assert rl_phases.eval_curve(tmp_path) == [(0, 0.25), (2, 0.3)]
+    assert rl_phases.eval_curve(tmp_path, "eval/reward_bf16") == []
