@@ -138,7 +138,7 @@ SITE_LAYER = re.compile(r"^mismatch/code_rate/(.+)/(\d+)$")
 TOTALS = ("step_s", "train/step_s")  # sums of other phases: drawn after them, marked
 
 
-def _rl_curve(records: Sequence[dict], key: str) -> dict[int, float]:
+def rl_curve(records: Sequence[dict], key: str) -> dict[int, float]:
     """``{RL steps done: value}`` of ``key`` (RL step i's record counts as i + 1 steps done);
     for ``eval/reward`` (``eval/reward_bf16``), the evaluation before RL is at 0; a share of
     mismatches only where it is defined."""
@@ -295,7 +295,7 @@ def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, np.ndarray, 
     """Per mode: (steps, mean, sd, n seeds) of ``key`` at the RL steps every seed logged."""
     out = {}
     for mode, names in data["modes"].items():
-        curves = [_rl_curve(data["cells"][n]["records"], key) for n in names]
+        curves = [rl_curve(data["cells"][n]["records"], key) for n in names]
         curves = [c for c in curves if c]
         if not curves:
             continue

@@ -12,6 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
+from experiments.report import rl_curve
+
 PHASES = (
     "rollout/refit_s",
     "rollout/prefill_s",
@@ -55,9 +57,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
 def eval_curve(run_dir: Path, key: str = "eval/reward") -> list[tuple[int, float]]:
     """(RL steps done, value) of a greedy evaluation, the one before RL at 0."""
     records = list(map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()))
-    rl = [r for r in records if "reward" in r]
-    out = [(0, rl[0][f"{key}_start"])] if rl and f"{key}_start" in rl[0] else []
-    return out + [(i + 1, r[key]) for i, r in enumerate(rl) if key in r]
+    return list(rl_curve(records, key).items())
 
 
 def main(argv: list[str] | None = None) -> int:

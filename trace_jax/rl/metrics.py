@@ -177,9 +177,9 @@ def site_mismatch(
             continue
         key = (site_key(name)[0], jax.tree.structure(rollout))
         groups.setdefault(key, []).append(name)
+    stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)  # noqa: E731
     out, pooled = {}, {}
     for (site, _), names in groups.items():
-        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)  # noqa: E731
         train = stack([train_records[n + ".codes"] for n in names])
         rollout = stack([rollout_codes[n] for n in names])
         counts = jax.vmap(code_counts, in_axes=(0, 0, None))(train, rollout, mask)
