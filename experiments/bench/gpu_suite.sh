@@ -19,6 +19,37 @@ PHASES="$PY $BENCH/rl_phases.py"
 MODES="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1 || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
 # Programs compiled by one step are loaded by the next (the machine starts with no cache).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
+# ... and by the next call: a machine starts bare, so the suite unpacks the compiled programs an
+# earlier call brought back (carried in $CACHE_IN: `carry: [".whl", ".gpu-cache"]`) and, at the
+# end, packs this call's newest ones into $OUT/jax-cache.tgz.part-* (at most CACHE_MB
+# compressed, in 15 MiB parts: what the device tool returns); `mkdir -p .gpu-cache && cp` them
+# there for the next call. Entries are keyed by program, device kind and JAX version, so a cache
+# from another GPU kind or tree is only missed, never wrong.
+CACHE_IN=${CACHE_IN:-.gpu-cache}
+CACHE_MB=${CACHE_MB:-44}
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+if compgen -G "$CACHE_IN/jax-cache.tgz.part-*" >/dev/null; then
+  cat "$CACHE_IN"/jax-cache.tgz.part-* | tar xzf - -C "$JAX_COMPILATION_CACHE_DIR" \
+    && echo "compile cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) programs from $CACHE_IN"
+fi
+pack_cache() {
+  # newest first, until the compressed archive would pass CACHE_MB
+  local list=$OUT/.cache-files n total
+  (cd "$JAX_COMPILATION_CACHE_DIR" && ls -t) > "$list" 2>/dev/null || return 0
+  n=$(wc -l < "$list")
+  while [ "$n" -gt 0 ]; do
+    total=$(head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - | wc -c)
+    [ "$total" -le $((CACHE_MB * 1048576)) ] && break
+    n=$((n * 3 / 4))
+  done
+  rm -f "$OUT"/jax-cache.tgz.part-*
+  if [ "$n" -gt 0 ]; then
+    head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - \
+      | split -b 15M - "$OUT/jax-cache.tgz.part-"
+    echo "compile cache: $n of $(wc -l < "$list") programs packed ($((total / 1048576)) MiB)"
+  fi
+  rm -f "$list"
+}
 
 # name | time limit (s) | command
 STEPS=(
@@ -119,5 +150,6 @@ for s in "${STEPS[@]}"; do
   summary+=("$name rc=$rc ${secs}s: $(tail -n 1 "$OUT/$name.log" | cut -c1-150)")
 done
 echo
+[ "${PACK_CACHE:-1}" = 1 ] && pack_cache
 echo "== summary"
 for line in "${summary[@]}"; do echo "$line"; done
