@@ -291,8 +291,9 @@ def _cell(stat: Mapping[str, float] | None) -> str:
 # ----------------------------------------------------------------------------- figures
 
 
-def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
-    """Per mode: (steps, mean, sd, n seeds) of ``key`` at the RL steps every seed logged."""
+def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, ...]]:
+    """Per mode: (steps, mean, sd, n seeds, min, max over seeds) of ``key`` at the RL steps
+    every seed logged."""
     out = {}
     for mode, names in data["modes"].items():
         curves = [rl_curve(data["cells"][n]["records"], key) for n in names]
@@ -304,17 +305,22 @@ def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, np.ndarray, 
             continue
         values = np.array([[c[s] for s in steps] for c in curves])
         sd = values.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(len(steps))
-        out[mode] = (np.array(steps), values.mean(axis=0), sd, len(curves))
+        out[mode] = (
+            np.array(steps), values.mean(axis=0), sd, len(curves), values.min(0), values.max(0)
+        )
     return out
 
 
 def _panel(ax, curves, title: str, ylabel: str, log: bool = False) -> None:
-    for mode, (steps, mean, sd, n) in curves.items():
+    """Mean over seeds per mode; the band is ± 1 sd, or on a log axis (where mean - sd can be
+    negative) the seeds' range."""
+    for mode, (steps, mean, sd, n, lo, hi) in curves.items():
         (line,) = ax.plot(
             steps, mean, marker="." if len(steps) < 30 else None, label=f"{mode} (n={n})"
         )
         if n > 1:
-            ax.fill_between(steps, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+            low, high = (lo, hi) if log else (mean - sd, mean + sd)
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("RL steps done")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -391,7 +397,8 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
         for ax, ((key, title, ylabel, log), curves) in zip(axes.flat, panels, strict=True):
-            _panel(ax, curves, f"{title}\n({key}; {band})", ylabel, log)
+            text = band.replace("± 1 sd", "the seeds' range") if log else band
+            _panel(ax, curves, f"{title}\n({key}; {text})", ylabel, log)
         save(fig, name)
 
     heat = _layer_heat(data)
