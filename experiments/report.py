@@ -306,7 +306,12 @@ def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, ...]]:
         values = np.array([[c[s] for s in steps] for c in curves])
         sd = values.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(len(steps))
         out[mode] = (
-            np.array(steps), values.mean(axis=0), sd, len(curves), values.min(0), values.max(0)
+            np.array(steps),
+            values.mean(axis=0),
+            sd,
+            len(curves),
+            values.min(0),
+            values.max(0),
         )
     return out
 
