@@ -22,8 +22,9 @@ def test_applies_only_to_bf16_on_a_hopper_gpu_at_whole_tiles():
 
 @pytest.mark.gpu
 # a decode step's few rows; 8,192: the decode step of the medium recipe's 1,024 sequences;
-# 65,536: one of its trainer minibatches (128 sequences of 64 slots, top-8)
-@pytest.mark.parametrize("rows", [1, 8, 2000, 8192, 65536])
+# 65,536: one of its trainer minibatches (128 sequences of 64 slots, top-8); 524,288: its
+# scoring pass over the whole batch of 1,024 sequences
+@pytest.mark.parametrize("rows", [1, 8, 2000, 8192, 65536, 524288])
 def test_kernels_equal_the_blocked_form_forward_and_backward(rows, monkeypatch):
     """A medium-like layer: 64 experts (the first and the last and maybe others without rows),
     K 1024, N 384."""
