@@ -104,10 +104,11 @@ STEPS=(
   "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=100000 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   # the recipe (128 prompts x 8, minibatches of 128 sequences): warm start and 220 RL steps (the
-  # run stops itself after RL_MIN minutes, default 9, to fit a call with less device time left)
-  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 --run-dir runs/learn-bf16; rm -rf runs/learn-bf16/checkpoints; $PHASES runs/learn-bf16"
+  # run stops itself after RL_MIN minutes, default 9, to fit a call with less device time left;
+  # RL_ARGS: more key=value overrides, e.g. RL_ARGS="lr=5e-5 lr_warmup_steps=20")
+  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 \${RL_ARGS:-} --run-dir runs/learn-bf16; rm -rf runs/learn-bf16/checkpoints; $PHASES runs/learn-bf16"
   # the recipe from a shorter warm start (more for RL to learn)
-  "rl-learn-medium-ws200|565|$RUN $MEDIUM warm_start.steps=200 time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 --run-dir runs/learn-ws200; rm -rf runs/learn-ws200/checkpoints; $PHASES runs/learn-ws200"
+  "rl-learn-medium-ws200|565|$RUN $MEDIUM warm_start.steps=200 time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 \${RL_ARGS:-} --run-dir runs/learn-ws200; rm -rf runs/learn-ws200/checkpoints; $PHASES runs/learn-ws200"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
   "rl-mismatch-bf16|560|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
