@@ -37,11 +37,13 @@ pack_cache() {
   local list=$OUT/.cache-files n total
   (cd "$JAX_COMPILATION_CACHE_DIR" && ls -t) > "$list" 2>/dev/null || return 0
   n=$(wc -l < "$list")
-  while [ "$n" -gt 0 ]; do
+  for _ in 1 2 3 4; do  # each try scales the count by how far the last archive overshot
     total=$(head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - | wc -c)
     [ "$total" -le $((CACHE_MB * 1048576)) ] && break
-    n=$((n * 3 / 4))
+    n=$((n * CACHE_MB * 1048576 * 9 / 10 / total))
+    [ "$n" -gt 0 ] || break
   done
+  [ "$total" -le $((CACHE_MB * 1048576)) ] || n=0
   rm -f "$OUT"/jax-cache.tgz.part-*
   if [ "$n" -gt 0 ]; then
     head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - \
