@@ -187,7 +187,10 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
 
 
 def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per mode: ``{key: {"mean", "sd", "n"}}`` over its finished seeds for every summary key."""
+    """Per mode: ``{key: {"mean", "sd", "n"}}`` over its finished seeds for every summary key,
+    and ``collapsed``: the seeds whose sampled reward over the last fifth of the RL steps is 0
+    (every group at reward 0 leaves GRPO no gradient: such a seed does not come back, and a
+    mean over seeds with one in it describes neither kind of run)."""
     out = {}
     for mode, names in data["modes"].items():
         summaries = [data["cells"][n]["summary"] for n in names]
@@ -196,7 +199,17 @@ def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         for key in keys:
             m, sd, n = mean_spread([s.get(key) for s in summaries])
             stats[key] = {"mean": m, "sd": sd, "n": n}
-        out[mode] = {"seeds": [data["cells"][n]["seed"] for n in names], "cells": names, **stats}
+        collapsed = [
+            data["cells"][n]["seed"]
+            for n, s in zip(names, summaries, strict=True)
+            if s.get("reward/last_fifth") == 0.0
+        ]
+        out[mode] = {
+            "seeds": [data["cells"][n]["seed"] for n in names],
+            "cells": names,
+            "collapsed": collapsed,
+            **stats,
+        }
     return out
 
 
@@ -229,23 +242,25 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         f"Base `{sweep.get('base')}` with overrides `{' '.join(sweep.get('overrides') or [])}`; "
         f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)}",
         "",
-        "Mean ± sample sd over the n finished seeds. Eval reward: greedy, on the "
-        f"{'/'.join(splits)} split, before RL (start) and at the last evaluation (end), with the "
-        "rollout's precision and (`eval_bf16`) in BF16, as the BF16 reference evaluates. Train "
-        "reward: the sampled rollouts, over the first and last fifth of the RL steps. Mismatch "
-        "and code columns: mean of the last fifth. Throughput and step time: mean over the RL "
-        "steps after the first (which compiles).",
+        "Mean ± sample sd over the n finished seeds; collapsed: the seeds whose sampled reward "
+        "over the last fifth of the RL steps is 0 (counted in the means). Eval reward: greedy, "
+        f"on the {'/'.join(splits)} split, before RL (start) and at the last evaluation (end), "
+        "with the rollout's precision and (`eval_bf16`) in BF16, as the BF16 reference "
+        "evaluates. Train reward: the sampled rollouts, over the first and last fifth of the RL "
+        "steps. Mismatch and code columns: mean of the last fifth. Throughput and step time: "
+        "mean over the RL steps after the first (which compiles).",
         "",
     ]
     cols = [(k, label) for k, label in TABLE_COLUMNS if any(k in a for a in agg.values())]
     ptq = sorted({k for a in agg.values() for k in a if k.startswith("ptq/")})
     cols += [(k, f"eval reward, {k[4:]} (post hoc)") for k in ptq]
-    lines.append("| mode | n | " + " | ".join(label for _, label in cols) + " |")
-    lines.append("| --- | --- | " + " | ".join("---" for _ in cols) + " |")
+    lines.append("| mode | n | collapsed | " + " | ".join(label for _, label in cols) + " |")
+    lines.append("| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |")
     for mode, a in agg.items():
         n = len(a["cells"])
         cells = [_cell(a.get(k)) for k, _ in cols]
-        lines.append(f"| {mode} | {n} | " + " | ".join(cells) + " |")
+        down = ", ".join(f"seed {s}" for s in a["collapsed"]) or "0"
+        lines.append(f"| {mode} | {n} | {down} | " + " | ".join(cells) + " |")
     phases = sorted({k for a in agg.values() for k in a if k.startswith("time/")})
     if phases:
         lines += ["", "Seconds per RL step by phase (mean ± sd over seeds):", ""]

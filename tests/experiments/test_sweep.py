@@ -186,6 +186,30 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0
 
 
+def test_report_names_the_seeds_whose_sampled_reward_ends_at_zero():
+    """Hand-made summaries: seeds 0 and 2 of three end at reward 0 over the last fifth (one at
+    a tiny positive mean is not collapsed); the means still count every seed."""
+    from experiments.report import aggregate, markdown
+
+    last = {0: 0.0, 1: 0.5, 2: 0.0, 3: 1e-6}
+    data = {
+        "sweep": {"base": "b.yaml", "grid": {"seed": list(last)}},
+        "modes": {"m": [f"m-seed{s}" for s in last]},
+        "cells": {
+            f"m-seed{s}": {"seed": s, "state": "done", "summary": {"reward/last_fifth": r}}
+            for s, r in last.items()
+        },
+        "warm_start": None,
+    }
+    agg = aggregate(data)
+    assert agg["m"]["collapsed"] == [0, 2]
+    assert agg["m"]["reward/last_fifth"]["mean"] == pytest.approx((0.5 + 1e-6) / 4)
+    row = next(
+        line for line in markdown(Path("s"), data, agg, []).splitlines() if line.startswith("| m |")
+    )
+    assert row.startswith("| m | 4 | seed 0, seed 2 | ")
+
+
 def tiny_model() -> Transformer:
     """A model of the sweep's config (conftest.SMALL), to restore its policies into."""
     return Transformer(
