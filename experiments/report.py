@@ -188,9 +188,9 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
 
 def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Per mode: ``{key: {"mean", "sd", "n"}}`` over its finished seeds for every summary key,
-    and ``collapsed``: the seeds whose sampled reward over the last fifth of the RL steps is 0
-    (every group at reward 0 leaves GRPO no gradient: such a seed does not come back, and a
-    mean over seeds with one in it describes neither kind of run)."""
+    and ``collapsed``: the seeds whose sampled reward is 0 at each of their last
+    ``COLLAPSE_STEPS`` RL steps (every group at reward 0 leaves GRPO no gradient: such a seed
+    does not come back, and a mean over seeds with one in it describes neither kind of run)."""
     out = {}
     for mode, names in data["modes"].items():
         summaries = [data["cells"][n]["summary"] for n in names]
@@ -199,11 +199,7 @@ def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         for key in keys:
             m, sd, n = mean_spread([s.get(key) for s in summaries])
             stats[key] = {"mean": m, "sd": sd, "n": n}
-        collapsed = [
-            data["cells"][n]["seed"]
-            for n, s in zip(names, summaries, strict=True)
-            if s.get("reward/last_fifth") == 0.0
-        ]
+        collapsed = [data["cells"][n]["seed"] for n in names if _collapsed(data["cells"][n])]
         out[mode] = {
             "seeds": [data["cells"][n]["seed"] for n in names],
             "cells": names,
@@ -211,6 +207,17 @@ def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             **stats,
         }
     return out
+
+
+COLLAPSE_STEPS = 10
+
+
+def _collapsed(cell: Mapping[str, Any]) -> bool:
+    """Whether a finished cell's sampled reward is 0 at each of its last ``COLLAPSE_STEPS`` RL
+    steps."""
+    rewards = [r["reward"] for r in cell.get("records", []) if "reward" in r]
+    tail = rewards[-COLLAPSE_STEPS:]
+    return bool(tail) and max(tail) == 0.0
 
 
 def report(sweep_dir: str | Path, out: str | Path | None = None) -> int:
@@ -243,7 +250,8 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)}",
         "",
         "Mean ± sample sd over the n finished seeds; collapsed: the seeds whose sampled reward "
-        "over the last fifth of the RL steps is 0 (counted in the means). Eval reward: greedy, "
+        f"is 0 at each of their last {COLLAPSE_STEPS} RL steps (counted in the means). Eval "
+        "reward: greedy, "
         f"on the {'/'.join(splits)} split, before RL (start) and at the last evaluation (end), "
         "with the rollout's precision and (`eval_bf16`) in BF16, as the BF16 reference "
         "evaluates. Train reward: the sampled rollouts, over the first and last fifth of the RL "

@@ -187,23 +187,37 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
 
 
 def test_report_names_the_seeds_whose_sampled_reward_ends_at_zero():
-    """Hand-made summaries: seeds 0 and 2 of three end at reward 0 over the last fifth (one at
-    a tiny positive mean is not collapsed); the means still count every seed."""
+    """Hand-made records of four seeds: seed 0 at reward 0 over its last 10 steps, seed 2 over
+    its last 12; seed 1 never, seed 3 at 0 but for one step of its last 10. Only 0 and 2 are
+    collapsed; the means still count every seed."""
     from experiments.report import aggregate, markdown
 
-    last = {0: 0.0, 1: 0.5, 2: 0.0, 3: 1e-6}
+    def records(rewards):
+        return [{"step": i, "reward": r} for i, r in enumerate(rewards)]
+
+    rewards = {
+        0: [0.5] * 5 + [0.0] * 10,
+        1: [0.5] * 15,
+        2: [0.5] * 3 + [0.0] * 12,
+        3: [0.5] * 5 + [0.0] * 4 + [0.1] + [0.0] * 5,
+    }
     data = {
-        "sweep": {"base": "b.yaml", "grid": {"seed": list(last)}},
-        "modes": {"m": [f"m-seed{s}" for s in last]},
+        "sweep": {"base": "b.yaml", "grid": {"seed": list(rewards)}},
+        "modes": {"m": [f"m-seed{s}" for s in rewards]},
         "cells": {
-            f"m-seed{s}": {"seed": s, "state": "done", "summary": {"reward/last_fifth": r}}
-            for s, r in last.items()
+            f"m-seed{s}": {
+                "seed": s,
+                "state": "done",
+                "records": records(r),
+                "summary": {"reward/last_fifth": float(np.mean(r[-3:]))},
+            }
+            for s, r in rewards.items()
         },
         "warm_start": None,
     }
     agg = aggregate(data)
     assert agg["m"]["collapsed"] == [0, 2]
-    assert agg["m"]["reward/last_fifth"]["mean"] == pytest.approx((0.5 + 1e-6) / 4)
+    assert agg["m"]["reward/last_fifth"]["mean"] == pytest.approx(0.5 / 4)
     row = next(
         line for line in markdown(Path("s"), data, agg, []).splitlines() if line.startswith("| m |")
     )
