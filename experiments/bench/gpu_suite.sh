@@ -33,24 +33,24 @@ if compgen -G "$CACHE_IN/jax-cache.tgz.part-*" >/dev/null; then
     && echo "compile cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) programs from $CACHE_IN"
 fi
 pack_cache() {
-  # newest first, until the compressed archive would pass CACHE_MB
-  local list=$OUT/.cache-files n total
+  # newest first, until the compressed archive fits CACHE_MB; each try scales the count by how
+  # far the last archive overshot, and the one that fits is the one split
+  local list=$OUT/.cache-files tgz=$OUT/.cache.tgz limit=$((CACHE_MB * 1048576)) n total
   (cd "$JAX_COMPILATION_CACHE_DIR" && ls -t) > "$list" 2>/dev/null || return 0
   n=$(wc -l < "$list")
-  for _ in 1 2 3 4; do  # each try scales the count by how far the last archive overshot
-    total=$(head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - | wc -c)
-    [ "$total" -le $((CACHE_MB * 1048576)) ] && break
-    n=$((n * CACHE_MB * 1048576 * 9 / 10 / total))
-    [ "$n" -gt 0 ] || break
-  done
-  [ "$total" -le $((CACHE_MB * 1048576)) ] || n=0
   rm -f "$OUT"/jax-cache.tgz.part-*
-  if [ "$n" -gt 0 ]; then
-    head -n "$n" "$list" | tar czf - -C "$JAX_COMPILATION_CACHE_DIR" -T - \
-      | split -b 15M - "$OUT/jax-cache.tgz.part-"
-    echo "compile cache: $n of $(wc -l < "$list") programs packed ($((total / 1048576)) MiB)"
-  fi
-  rm -f "$list"
+  for _ in 1 2 3 4; do
+    [ "$n" -gt 0 ] || break
+    head -n "$n" "$list" | tar czf "$tgz" -C "$JAX_COMPILATION_CACHE_DIR" -T -
+    total=$(wc -c < "$tgz")
+    if [ "$total" -le "$limit" ]; then
+      split -b 15M "$tgz" "$OUT/jax-cache.tgz.part-"
+      echo "compile cache: $n of $(wc -l < "$list") programs packed ($((total / 1048576)) MiB)"
+      break
+    fi
+    n=$((n * limit * 9 / 10 / total))
+  done
+  rm -f "$list" "$tgz"
 }
 
 # name | time limit (s) | command
