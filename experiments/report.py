@@ -252,10 +252,10 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         "Mean ± sample sd over the n finished seeds; collapsed: the seeds whose sampled reward "
         f"is 0 at each of their last {COLLAPSE_STEPS} RL steps (counted in the means). Eval "
         f"reward: greedy, on the {'/'.join(splits)} split, before RL (start) and at the last "
-        "evaluation (end), with the rollout's precision and (`eval_bf16`) in BF16, as the BF16 reference "
-        "evaluates. Train reward: the sampled rollouts, over the first and last fifth of the RL "
-        "steps. Mismatch and code columns: mean of the last fifth. Throughput and step time: "
-        "mean over the RL steps after the first (which compiles).",
+        "evaluation (end), with the rollout's precision and (`eval_bf16`) in BF16, as the "
+        "BF16 reference evaluates. Train reward: the sampled rollouts, over the first and last "
+        "fifth of the RL steps. Mismatch and code columns: mean of the last fifth. Throughput "
+        "and step time: mean over the RL steps after the first (which compiles).",
         "",
     ]
     cols = [(k, label) for k, label in TABLE_COLUMNS if any(k in a for a in agg.values())]
