@@ -116,6 +116,11 @@ STEPS=(
   "rl-mismatch-bf16|560|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
   # the same with XLA's decode attention in the engine instead of the Pallas kernel
   "rl-mismatch-bf16-xla|400|$PY $BENCH/rl_mismatch.py $MEDIUM rollout_backend=xla --prompts 128 --json $OUT/rl-mismatch-bf16-xla.json"
+  # where TRACE-all's guided sites leave the rollout's codes (0.2-2 % of elements in the RL
+  # loop's first steps at `medium`, nearly all two or more steps apart; none on the CPU): one
+  # rollout batch per engine (both Pallas kernels, the expert kernel alone, XLA), by layer,
+  # position and sequence
+  "rl-guided-mismatch|540|$PY $BENCH/guided_mismatch.py $MEDIUM experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,pallas:moe,xla --json $OUT/guided-mismatch.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)

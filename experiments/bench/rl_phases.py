@@ -28,7 +28,7 @@ PHASES = (
 
 
 def phase_table(run_dir: Path) -> dict[str, float]:
-    """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/transfer_bytes`` over the
+    """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/bytes`` over the
     RL steps of a run after its first (and of the warm start's steps after its first), the
     first RL step's seconds (compilation included); plus the last train reward, eval rewards
     and logp_abs."""
@@ -42,7 +42,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
         row["sft/step_s"] = statistics.median(sft[1:] or sft)
     if rl and "step_s" in rl[0]:  # compiles the rollout's and the trainer's programs
         row["first RL step_s"] = rl[0]["step_s"]
-    for key in (*PHASES, "rollout/tokens_per_s", "guidance/transfer_bytes"):
+    for key in (*PHASES, "rollout/tokens_per_s", "guidance/bytes"):
         values = [r[key] for r in steady if key in r]
         if values:
             row[key] = statistics.median(values)

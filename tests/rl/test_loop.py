@@ -34,6 +34,7 @@ def small(**kw) -> loop.RLConfig:
         eval_every=2,
         eval_problems=4,  # a rollout batch: the greedy evaluation prefills with its program
         checkpoint_every=2,
+        guidance_path="host",  # through the cache:
         guidance_host_bytes=0,  # every guidance record goes through a tensorstore spill
         staleness=1,
         diagnostic=True,
@@ -259,6 +260,19 @@ def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch
     cfg = small(warm_start={"steps": 0}, staleness=2)
     with pytest.raises(GuidanceVersionError, match="recorded under version"):
         loop.RLRun(cfg, tmp_path / "run", log=lambda *_: None).run()
+
+
+def test_guidance_in_place_trains_as_guidance_through_the_cache(tmp_path):
+    """The engine's records handed over on the device (``guidance_path=device``) and the same
+    records through the cache and a tensorstore spill: one run, to the bit."""
+    cfg = small(staleness=0, steps=2, eval_every=10)
+    loop.RLRun(cfg, tmp_path / "host", log=lambda *_: None).run()
+    device = dataclasses.replace(cfg, guidance_path="device")
+    loop.RLRun(device, tmp_path / "device", log=lambda *_: None).run()
+    host, dev = records(tmp_path / "host"), records(tmp_path / "device")
+    assert len(dev) == 3 and dev == host
+    last = json.loads((tmp_path / "device" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["guidance/bytes"] > 0 and "guidance/transfer_s" not in last
 
 
 def test_configs_refuse_bad_combinations():

@@ -51,7 +51,19 @@ def test_site_mismatch_equals_its_definition_site_by_site():
     for group, counts in pooled.items():
         for stat, value in metrics.code_stats(jax.tree.map(jnp.float32, counts)).items():
             assert float(got[f"mismatch/{stat}/{group}"]) == pytest.approx(float(value), rel=1e-5)
+        # the elements of the masked tokens: 64 + 2 x 32 per token and layer of the group
+        layers = {"all": 4, "guided": 2, "unguided": 2}[group]
+        want = float(jnp.sum(mask)) * 128 * layers
+        assert float(got[f"mismatch/code_elements/{group}"]) == want
     want = 1 - float(got["mismatch/code_rate/guided"])
     assert float(got["mismatch/guided_code_agreement"]) == pytest.approx(want)
     per_layer = [k for k in got if k.count("/") == 3]
     assert len(per_layer) == 4 * len(metrics.CODE_STATS) * len(shapes)
+
+    # no sampled token among the rows: every statistic unmeasured (NaN), none a rate of 0
+    empty = metrics.site_mismatch(train, rollout, jnp.zeros_like(mask), guided)
+    for k, v in empty.items():
+        if k.startswith("mismatch/code_elements/"):
+            assert float(v) == 0, k
+        else:
+            assert np.isnan(float(v)), k

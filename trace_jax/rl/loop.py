@@ -190,6 +190,12 @@ class RLConfig:
     time_limit_min: wall-clock minutes this process may run (0: no limit): the step that would
       leave too little time for another is the last, evaluated and checkpointed; the same
       command resumes the run (this key does not count as a change of settings).
+    guidance_path: how the rollout's guidance reaches the trainer. "device": the engine's
+      records as they are on the device (rollout and trainer share it, and each batch is
+      trained in the step that rolled it out: nothing to move); "host": TRACE's data path for
+      a rollout and trainer apart (TRACE.md section 4), through the versioned guidance cache
+      (device -> host memory -> disk past ``guidance_host_bytes`` -> the trainer's devices),
+      timed as ``guidance/transfer_s``. Both give the trainer the same records.
     guidance_host_bytes: host-memory budget of the guidance cache before it spills to disk.
     mesh_data, mesh_fsdp, mesh_expert: device mesh (data x fsdp x expert): routed experts are
       split over ``expert``; every parameter and its AdamW moments over ``fsdp`` (its largest
@@ -242,6 +248,7 @@ class RLConfig:
     checkpoint_every: int = 10
     time_limit_min: float = 0.0
     deterministic: bool = False
+    guidance_path: Literal["device", "host"] = "device"
     guidance_host_bytes: int = 1 << 30
     mesh_data: int = 1
     mesh_fsdp: int = 1
@@ -592,9 +599,13 @@ class RLRun:
         takes them (as they are on one device)."""
         if self.mesh is None:
             return tree
-        return jax.tree.map(
-            lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim, batch_axis)), tree
-        )
+
+        def put(a):
+            if a.ndim == 0:  # not per row (a record's placeholder scale): on every device
+                return jax.device_put(a, NamedSharding(self.mesh, PartitionSpec()))
+            return jax.device_put(a, batch_sharding(self.mesh, a.ndim, batch_axis))
+
+        return jax.tree.map(put, tree)
 
     def warm_start_step(self, state: TrainState, problems: list) -> tuple[TrainState, dict]:
         lo, hi = self._rows(len(problems))
@@ -602,11 +613,16 @@ class RLRun:
         return self.sft_trainer.sft_step(state, tokens, mask)
 
     def _guidance(self, rs: RolloutState, version: int, ids: list, cache: GuidanceCache):
-        """The rollout's guidance for the trainer, through the cache (device -> host -> spill ->
-        trainer): the records of samples ``ids`` of policy ``version``, as device arrays."""
+        """The rollout's guidance for the trainer as device arrays (``guidance_path``): the
+        records of samples ``ids`` of policy ``version``, as the engine left them or through
+        the cache (device -> host -> spill -> trainer)."""
         records = {k: v for k, v in rs.guidance.items() if not k.endswith(".codes")}
         if not records:
             return {}, {}
+        # the records of the whole batch (every process has rows of the same shapes)
+        nbytes = sum(r.nbytes for r in records.values())
+        if self.cfg.guidance_path == "device":
+            return self._split(records), {"guidance/bytes": float(nbytes)}
         t0 = time.perf_counter()
         # this process's rows of the records, as the cache keeps them (host arrays)
         mine = _with_rows(jax.tree.map(process_rows, records), 0, 1 / self.parts)
@@ -618,11 +634,9 @@ class RLRun:
         fetched = cache.get(version, ids)
         guidance = jax.block_until_ready(self._place(fetched))
         cache.discard(version, ids)
-        # every part of the batch has records of the same shapes for as many rows
-        nbytes = sum(r.nbytes for r in fetched.values()) * self.parts
         return guidance, {
             "guidance/transfer_s": time.perf_counter() - t0,
-            "guidance/transfer_bytes": float(nbytes),
+            "guidance/bytes": float(nbytes),
         }
 
     def collect(

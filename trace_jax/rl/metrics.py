@@ -119,14 +119,16 @@ def code_counts(train: fp4.QTensor, rollout: fp4.QTensor, mask: jax.Array) -> di
 
 
 def code_stats(counts: dict) -> dict[str, jax.Array]:
-    """``CODE_STATS`` from (summed) ``code_counts``."""
-    mismatched = counts["mismatched"]
+    """``CODE_STATS`` from (summed) ``code_counts``; all NaN where no element counted (no
+    sampled token among the recorded rows), never a rate of 0 that nothing measured."""
+    mismatched, elements = counts["mismatched"], counts["elements"]
     share = lambda n: jnp.where(mismatched > 0, n / jnp.maximum(mismatched, 1), jnp.nan)  # noqa: E731
+    measured = lambda v: jnp.where(elements > 0, v, jnp.nan)  # noqa: E731
     return {
-        "code_rate": mismatched / jnp.maximum(counts["elements"], 1),
+        "code_rate": measured(mismatched / jnp.maximum(elements, 1)),
         "code_one_step": share(counts["one_step"]),
         "code_far": share(mismatched - counts["one_step"]),
-        "d_act": jnp.sqrt(counts["sq_diff"] / jnp.maximum(counts["sq_rollout"], 1e-30)),
+        "d_act": measured(jnp.sqrt(counts["sq_diff"] / jnp.maximum(counts["sq_rollout"], 1e-30))),
     }
 
 
@@ -166,7 +168,8 @@ def site_mismatch(
     Returns:
       ``mismatch/<stat>/<site>/<layer>`` for each ``CODE_STATS`` stat and site both sides
       recorded, the same pooled over ``all``, ``guided`` and ``unguided`` sites
-      (``mismatch/<stat>/<group>``), and ``mismatch/guided_code_agreement`` (the share of
+      (``mismatch/<stat>/<group>``, with ``mismatch/code_elements/<group>``, the elements
+      counted), and ``mismatch/guided_code_agreement`` (the share of
       guided-site elements whose trainer code is the rollout's: 1 - ``code_rate/guided``).
     """
     # Sites of one kind and shape (a site of every layer) go through code_counts at once, mapped
@@ -196,6 +199,8 @@ def site_mismatch(
     for group, counts in pooled.items():
         for stat, value in code_stats(counts).items():
             out[f"mismatch/{stat}/{group}"] = value
+        # how many elements the group's rates are of (their resolution)
+        out[f"mismatch/code_elements/{group}"] = counts["elements"]
     if "guided" in pooled:
         out["mismatch/guided_code_agreement"] = 1.0 - out["mismatch/code_rate/guided"]
     return out
