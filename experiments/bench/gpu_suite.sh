@@ -15,8 +15,11 @@ BENCH=experiments/bench
 RUN="$PY -m experiments run"
 MEDIUM=configs/reasoning/medium.yaml
 PHASES="$PY $BENCH/rl_phases.py"
-# the modes named, after the recipe's warm start (kept in runs/ws-modes for later steps)
-MODES="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1 || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
+# the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it
+WS="ws() { [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1; }; ws"
+FROM_WS="warm_start.steps=0 init_checkpoint=runs/ws-modes"
+# the modes named, after the recipe's warm start
+MODES="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; $WS || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
 # Programs compiled by one step are loaded by the next (the machine starts with no cache).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 # ... and by the next call: a machine starts bare, so the suite unpacks the compiled programs an
@@ -114,14 +117,14 @@ STEPS=(
   "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; rm -rf runs/learn-ws*/checkpoints; $PHASES runs/learn-ws\${WS:-320}"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
-  "rl-mismatch-bf16|560|$PY $BENCH/rl_mismatch.py $MEDIUM --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
+  "rl-mismatch-bf16|560|$WS || exit 1; $PY $BENCH/rl_mismatch.py $MEDIUM $FROM_WS --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
   # the same with XLA's decode attention in the engine instead of the Pallas kernel
   "rl-mismatch-bf16-xla|400|$PY $BENCH/rl_mismatch.py $MEDIUM rollout_backend=xla --prompts 128 --json $OUT/rl-mismatch-bf16-xla.json"
   # where TRACE-all's guided sites leave the rollout's codes (0.2-2 % of elements in the RL
   # loop's first steps at `medium`, nearly all two or more steps apart; none on the CPU): one
   # rollout batch per engine (both Pallas kernels, the expert kernel alone, XLA), by layer,
   # position and sequence
-  "rl-guided-mismatch|540|$PY $BENCH/guided_mismatch.py $MEDIUM experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,pallas:moe,xla --json $OUT/guided-mismatch.json"
+  "rl-guided-mismatch|540|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,pallas:moe,xla --json $OUT/guided-mismatch.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
@@ -132,10 +135,10 @@ STEPS=(
   # run's final one is ~11 GB, the machine's disk ~64 GB); then the phases side by side
   "rl-modes-qat-trace|565|$MODES fp4_qat fp4_trace"
   "rl-modes-all-naive|565|$MODES fp4_trace_all fp4_rollout_bf16_train"
-  # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %),
-  # without the code metrics' full-code records (the RL study's setting); TRACE with its
-  # guidance handed over on the device (the default) and through the host cache
-  "rl-overhead-modes|565|ws() { [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1; }; ws || exit 1; for m in fp4_qat:device fp4_trace:device fp4_trace:host; do e=\${m%:*}; g=\${m#*:}; timeout 160 $RUN $MEDIUM experiment=\$e guidance_path=\$g warm_start.steps=0 init_checkpoint=runs/ws-modes steps=16 eval_problems=0 code_metrics_rows=0 checkpoint_every=100000 --run-dir runs/overhead-\$e-\$g > $OUT/overhead-\$e-\$g.log 2>&1; echo \"\$m rc=\$?\"; rm -rf runs/overhead-\$e-\$g/checkpoints runs/overhead-\$e-\$g/policy; done; $PHASES runs/overhead-*"
+  # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %), in
+  # the study's setting (code metrics on 8 sequences); TRACE with its guidance handed over on
+  # the device (the default) and through the host cache
+  "rl-overhead-modes|565|$WS || exit 1; for m in fp4_qat:device fp4_trace:device fp4_trace:host; do e=\${m%:*}; g=\${m#*:}; timeout 160 $RUN $MEDIUM experiment=\$e guidance_path=\$g $FROM_WS steps=16 eval_problems=0 checkpoint_every=100000 --run-dir runs/overhead-\$e-\$g > $OUT/overhead-\$e-\$g.log 2>&1; echo \"\$m rc=\$?\"; rm -rf runs/overhead-\$e-\$g/checkpoints runs/overhead-\$e-\$g/policy; done; $PHASES runs/overhead-*"
 )
 
 if [ "${1:-}" = "--list" ]; then
