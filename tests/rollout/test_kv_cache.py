@@ -71,3 +71,23 @@ def test_empty_fp4_buffers_are_the_quantized_zeros(fmt):
     )
     g = np.broadcast_to(np.asarray(zeros.global_scale), (B, S, H, 1))
     np.testing.assert_array_equal(np.asarray(buf.global_scale), g)
+
+
+def test_row_writes_are_one_scatter_of_distinct_indices():
+    """Invalid tokens and slots past the end are dropped, the rest land where they belong, and
+    the scatter is declared to meet each index once (under XLA's deterministic GPU ops one that
+    is not becomes a loop over its indices)."""
+    buf = jnp.zeros((3, 5, 2), jnp.float32)
+    chunk = jnp.arange(3 * 3 * 2, dtype=jnp.float32).reshape(3, 3, 2) + 1
+    lengths = jnp.asarray([0, 3, 4], jnp.int32)
+    valid = jnp.asarray([[1, 1, 0], [1, 1, 1], [1, 1, 1]], bool)
+    got = np.asarray(kv_cache.scatter_rows(buf, chunk, lengths, valid))
+    want = np.zeros((3, 5, 2), np.float32)
+    for b in range(3):
+        for t in range(3):
+            slot = int(lengths[b]) + t
+            if valid[b, t] and slot < 5:
+                want[b, slot] = chunk[b, t]
+    np.testing.assert_array_equal(got, want)
+    hlo = jax.jit(kv_cache.scatter_rows).lower(buf, chunk, lengths, valid).as_text()
+    assert "unique_indices = true" in hlo

@@ -129,12 +129,16 @@ def write(stored: Stored, new: Stored, lengths: jax.Array, valid: jax.Array) -> 
 
 
 def scatter_rows(buf: jax.Array, chunk: jax.Array, lengths: jax.Array, valid: jax.Array):
-    """buf [B, S, ...] <- chunk [B, T, ...] at slots lengths[b] + t where valid[b, t]."""
+    """buf [B, S, ...] <- chunk [B, T, ...] at slots lengths[b] + t where valid[b, t].
+
+    The written (row, slot) pairs are distinct (out-of-range ones are dropped, never written),
+    and the scatter says so: under XLA's deterministic GPU ops a scatter that may meet an index
+    twice is expanded into a loop over its indices, one row at a time."""
     b, t = valid.shape
     slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]
     slots = jnp.where(valid, slots, buf.shape[1])  # out of range: dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode="drop")
+    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode="drop", unique_indices=True)
 
 
 def _fields(stored: Stored):

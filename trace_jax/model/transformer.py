@@ -289,7 +289,7 @@ class Transformer(nnx.Module):
             raise ValueError(f"kv_access needs kv_states, one per layer ({cfg.num_layers})")
         sites = SiteContext(policy or QuantPolicy(), cfg.num_layers, guidance)
         scan = cfg.scan_layers if scan_layers is None else scan_layers
-        x = self.embed_tokens[...][tokens].astype(cfg.dtype)
+        x = layers.embed(self.embed_tokens[...], tokens).astype(cfg.dtype)
         routes, choices, kvs = [], [], []
         for start, stop in (
             self._runs(sites) if scan else [(i, i + 1) for i in range(len(self.layers))]
