@@ -197,8 +197,9 @@ def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         keys = sorted({k for s in summaries for k in s if isinstance(s[k], float)})
         stats = {}
         for key in keys:
-            m, sd, n = mean_spread([s.get(key) for s in summaries])
-            stats[key] = {"mean": m, "sd": sd, "n": n}
+            values = [s.get(key) for s in summaries]
+            m, sd, n = mean_spread(values)
+            stats[key] = {"mean": m, "sd": sd, "n": n, **_order_stats(values)}
         collapsed = [data["cells"][n]["seed"] for n in names if _collapsed(data["cells"][n])]
         out[mode] = {
             "seeds": [data["cells"][n]["seed"] for n in names],
@@ -208,6 +209,22 @@ def aggregate(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         }
     return out
 
+
+def _order_stats(values: Sequence[float | None]) -> dict[str, float]:
+    """Median, minimum and maximum of the values that are not None (NaN for none): what a
+    mean over a few seeds with one far off hides."""
+    v = np.asarray([x for x in values if x is not None], float)
+    if v.size == 0:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max())}
+
+
+MEDIAN_COLUMNS = (
+    ("eval/reward_end", "eval reward, end"),
+    ("eval/reward_bf16_end", "eval reward in BF16, end"),
+    ("reward/last_fifth", "train reward, last 5th"),
+)
+"""The outcome columns given again as median [min, max] over seeds."""
 
 COLLAPSE_STEPS = 10
 
@@ -268,6 +285,13 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         cells = [_cell(a.get(k)) for k, _ in cols]
         down = ", ".join(f"seed {s}" for s in a["collapsed"]) or "0"
         lines.append(f"| {mode} | {n} | {down} | " + " | ".join(cells) + " |")
+    outcome = [(k, label) for k, label in MEDIAN_COLUMNS if any(k in a for a in agg.values())]
+    if outcome:
+        lines += ["", "The same outcomes as median [min, max] over the seeds:", ""]
+        lines.append("| mode | " + " | ".join(label for _, label in outcome) + " |")
+        lines.append("| --- | " + " | ".join("---" for _ in outcome) + " |")
+        for mode, a in agg.items():
+            lines.append(f"| {mode} | " + " | ".join(_median(a.get(k)) for k, _ in outcome) + " |")
     phases = sorted({k for a in agg.values() for k in a if k.startswith("time/")})
     if phases:
         lines += ["", "Seconds per RL step by phase (mean ± sd over seeds):", ""]
@@ -310,6 +334,15 @@ def _cell(stat: Mapping[str, float] | None) -> str:
     return f"{m:.4g} ± {sd:.2g}"
 
 
+def _median(stat: Mapping[str, float] | None) -> str:
+    """``median [min, max]`` (the value alone for one seed, ``-`` for none)."""
+    if not stat or stat["n"] == 0:
+        return "-"
+    if stat["n"] == 1:
+        return f"{stat['median']:.4g}"
+    return f"{stat['median']:.4g} [{stat['min']:.4g}, {stat['max']:.4g}]"
+
+
 # ----------------------------------------------------------------------------- figures
 
 
@@ -339,15 +372,14 @@ def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, ...]]:
 
 
 def _panel(ax, curves, title: str, ylabel: str, log: bool = False) -> None:
-    """Mean over seeds per mode; the band is ± 1 sd, or on a log axis (where mean - sd can be
-    negative) the seeds' range."""
-    for mode, (steps, mean, sd, n, lo, hi) in curves.items():
+    """Mean over seeds per mode; the band is the seeds' range (mean ± sd would leave the values'
+    bounds where one seed collapses, below 0 on a log axis or above 1 for a reward)."""
+    for mode, (steps, mean, _sd, n, lo, hi) in curves.items():
         (line,) = ax.plot(
             steps, mean, marker="." if len(steps) < 30 else None, label=f"{mode} (n={n})"
         )
         if n > 1:
-            low, high = (lo, hi) if log else (mean - sd, mean + sd)
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("RL steps done")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -373,7 +405,7 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
         plt.close(fig)
         written.append(out / name)
 
-    band = "line: mean over seeds, band: ± 1 sd"
+    band = "line: mean over seeds, band: the seeds' range"
     figures = [
         (
             "eval_reward.png",
@@ -424,8 +456,7 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
         for ax, ((key, title, ylabel, log), curves) in zip(axes.flat, panels, strict=True):
-            text = band.replace("± 1 sd", "the seeds' range") if log else band
-            _panel(ax, curves, f"{title}\n({key}; {text})", ylabel, log)
+            _panel(ax, curves, f"{title}\n({key}; {band})", ylabel, log)
         save(fig, name)
 
     heat = _layer_heat(data)

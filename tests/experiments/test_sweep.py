@@ -222,6 +222,11 @@ def test_report_names_the_seeds_whose_sampled_reward_ends_at_zero():
         line for line in markdown(Path("s"), data, agg, []).splitlines() if line.startswith("| m |")
     )
     assert row.startswith("| m | 4 | seed 0, seed 2 | ")
+    # the outcome again as median [min, max]: 0 for three seeds' last steps, 0.5 for one
+    stat = agg["m"]["reward/last_fifth"]
+    assert (stat["median"], stat["min"], stat["max"]) == (0.0, 0.0, 0.5)
+    text = markdown(Path("s"), data, agg, [])
+    assert "| m | 0 [0, 0.5] |" in text
 
 
 def tiny_model() -> Transformer:
