@@ -1,6 +1,7 @@
 """Per-phase seconds of RL runs from their ``metrics.jsonl``: the median over the RL steps after
 the first (which compiles), one row per run, and reward / eval reward / mismatch at the end;
-before the table, each run's greedy evaluations by RL step.
+before the table, each run's greedy evaluations by RL step; after it, each TRACE run's median step
+time against each vanilla QAT run's.
 
     python experiments/bench/rl_phases.py runs/medium-bf16 runs/medium-trace ...
 """
@@ -11,6 +12,8 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+import yaml
 
 from experiments.report import rl_curve
 
@@ -60,6 +63,27 @@ def eval_curve(run_dir: Path, key: str = "eval/reward") -> list[tuple[int, float
     return list(rl_curve(records, key).items())
 
 
+def overheads(runs: dict[str, Path], rows: dict[str, dict[str, float]]) -> list[str]:
+    """One line per TRACE run (``experiment`` fp4_trace or fp4_trace_all in its config.yaml):
+    its median step time against each vanilla QAT run's (fp4_qat) among ``runs``."""
+    experiment = {}
+    for name, d in runs.items():
+        config = d / "config.yaml"
+        if config.exists():
+            experiment[name] = (yaml.safe_load(config.read_text()) or {}).get("experiment")
+    qat = [n for n, e in experiment.items() if e == "fp4_qat" and "step_s" in rows[n]]
+    lines = []
+    for name, e in experiment.items():
+        if e in ("fp4_trace", "fp4_trace_all") and "step_s" in rows[name]:
+            for q in qat:
+                ratio = rows[name]["step_s"] / rows[q]["step_s"] - 1
+                lines.append(
+                    f"{name} ({e}) against {q} (fp4_qat): step {rows[name]['step_s']:.4g} s "
+                    f"against {rows[q]['step_s']:.4g} s, {100 * ratio:+.1f} %"
+                )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+")
@@ -70,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             if curve:
                 points = " ".join(f"{step}:{value:.3f}" for step, value in curve)
                 print(f"{Path(d).name} {key} (RL steps: reward) {points}")
-    rows = {Path(d).name: phase_table(Path(d)) for d in args.run_dirs}
+    runs = {Path(d).name: Path(d) for d in args.run_dirs}
+    rows = {name: phase_table(d) for name, d in runs.items()}
     keys = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"{'':34s}" + "".join(f"{name[:16]:>17s}" for name in rows))
     for key in keys:
@@ -78,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row[key]:17.4g}" if key in row else f"{'-':>17s}" for row in rows.values()
         )
         print(f"{key:34s}{cells}")
+    for line in overheads(
+        runs, rows
+    ):  # TRACE's step time against vanilla QAT's (the paper: +7.4 %)
+        print(line)
     return 0
 
 

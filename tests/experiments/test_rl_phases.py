@@ -27,3 +27,18 @@ def test_medians_skip_each_parts_first_step(tmp_path):
     assert row["last reward"] == 0.4 and row["last eval/reward"] == 0.3
     assert rl_phases.eval_curve(tmp_path) == [(0, 0.25), (2, 0.3)]
     assert rl_phases.eval_curve(tmp_path, "eval/reward_bf16") == []
+
+
+def test_trace_step_time_against_qat(tmp_path):
+    runs, rows = {}, {}
+    for name, experiment, step in (
+        ("q", "fp4_qat", 2.0),
+        ("t", "fp4_trace", 2.1),
+        ("b", "bf16_rollout", 1.0),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(f"experiment: {experiment}\nseed: 0\n")
+        runs[name], rows[name] = d, {"step_s": step}
+    (line,) = rl_phases.overheads(runs, rows)
+    assert line.startswith("t (fp4_trace) against q (fp4_qat)") and line.endswith("+5.0 %")
