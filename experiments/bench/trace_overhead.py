@@ -2,9 +2,11 @@
 
 One model, one batch of prompts. Vanilla QAT: an FP4 rollout that records nothing, then the RTN
 fake-quant trainer's update. TRACE: the same FP4 rollout recording guidance in the deeper half,
-the guidance through the cache (device -> host -> trainer), then the guided trainer's update on
-the same sequences. Each phase is timed after a warm-up call (compilation excluded), the
-median of ``--repeats``; the table ends with the end-to-end overhead (the paper: +7.4 %).
+with ``--guidance-path host`` the guidance through the cache (device -> host -> trainer; with
+``device``, the RL loop's default, the records stay where the rollout wrote them), then the
+guided trainer's update on the same sequences. Each phase is timed after a warm-up call
+(compilation excluded), the median of ``--repeats``; the table ends with the end-to-end overhead
+(the paper: +7.4 %).
 
     python experiments/bench/trace_overhead.py --preset medium --batch 256 --new 48
 """
@@ -55,6 +57,7 @@ def measure(
     layers: int | None = None,
     scan_decode: bool = False,
     sides: tuple[str, ...] = ("qat", "trace"),
+    guidance_path: str = "device",
 ) -> dict[str, dict[str, float]]:
     """Seconds per phase for ``qat`` and ``trace`` (see the module docstring)."""
     cfg = ModelConfig.preset(preset)
@@ -87,7 +90,7 @@ def measure(
         )
         phases["rollout"], state = _median_time(lambda e=engine: e.generate(prompts, key), repeats)
         guidance = guidance_of(state)
-        if guidance:
+        if guidance and guidance_path == "host":
             with tempfile.TemporaryDirectory() as spill, GuidanceCache(spill) as cache:
                 ids, versions = list(range(batch)), itertools.count()
 
@@ -129,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fmt", choices=("nvfp4", "mxfp4"), default="nvfp4")
     parser.add_argument("--scan-decode", action="store_true", help="scan the decode step too")
     parser.add_argument("--qat-only", action="store_true", help="compile and time QAT's side only")
+    parser.add_argument(
+        "--guidance-path",
+        choices=("device", "host"),
+        default="device",
+        help="host: time the guidance's way through the cache, as guidance_path=host does",
+    )
     args = parser.parse_args(argv)
     backend = args.backend
     if backend == "auto":
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers,
         args.scan_decode,
         ("qat",) if args.qat_only else ("qat", "trace"),
+        args.guidance_path,
     )
     if args.qat_only:
         return 0
@@ -151,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{args.preset} ({args.layers or 'all'} layers), batch {args.batch}, prompt "
         f"{args.prompt_len}, {args.new} new tokens, {args.fmt}, rollout backend {backend}, "
+        f"guidance {args.guidance_path}, "
         f"{jax.devices()[0].device_kind}; median of {args.repeats}, seconds"
     )
     print(f"{'phase':28s} {'QAT':>10s} {'TRACE':>10s} {'delta':>10s}")
