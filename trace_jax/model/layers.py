@@ -110,8 +110,9 @@ def take_last(values: jax.Array, indices: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(chosen, values[..., None, :], 0), axis=-1)
 
 
-ONE_HOT_VOCAB = 4096
-"""Vocabularies up to this size take the embedding's gradient as a one-hot matmul."""
+ONE_HOT_VOCAB = 1024
+"""Vocabularies up to this size take the embedding's gradient as a one-hot matmul (its [tokens,
+vocab] float32 operand: 256 MiB for 65,536 tokens at 1,024)."""
 
 
 @jax.custom_vjp
