@@ -336,3 +336,27 @@ def test_a_time_limited_run_ends_evaluated_and_checkpointed_and_resumes(tmp_path
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in raw] == [0, 1, 2] and "eval/reward" in raw[2]
+
+
+def test_the_greedy_evaluation_records_nothing_and_decodes_as_the_rollout(tmp_path):
+    """Every FP4 mode evaluates with one engine policy, the naive FP4 rollout's (no records), and
+    it decodes greedily what the TRACE rollout's policy (recording guidance) decodes."""
+    from trace_jax.model import QuantPolicy
+
+    modes = {m: small(train_mode=m) for m in ("bf16", "qat", "trace", "trace_all")}
+    assert loop.eval_policy(small(train_mode="bf16", rollout="bf16")) == QuantPolicy.bf16()
+    naive = loop.rollout_policy(modes["bf16"])  # FP4 rollout, BF16 trainer: records nothing
+    assert {loop.eval_policy(c) for c in modes.values()} == {naive}
+
+    run = loop.RLRun(modes["trace"], tmp_path / "run", log=lambda *_: None)
+    model = run.trainer.model(run.trainer.init().params)
+    recording = RolloutEngine(model, run.rollout_policy, run.eval_engine.cfg, greedy=True)
+    run.eval_engine.update_params(model)
+    prompts = [run.io.tok.prompt_ids(run.io.problem("eval", i).prompt) for i in range(4)]
+    key = jax.random.key(0)
+    got = run.eval_engine.generate(prompts, key)
+    want = recording.generate(prompts, key)
+    assert not any(not k.endswith(".codes") for k in got.guidance)
+    assert any(not k.endswith(".codes") for k in want.guidance)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)

@@ -341,6 +341,14 @@ def rollout_policy(cfg: RLConfig) -> QuantPolicy:
     )
 
 
+def eval_policy(cfg: RLConfig) -> QuantPolicy:
+    """The greedy evaluation's engine: the rollout's precision without its records (nothing
+    reads them), so that every FP4 mode evaluates with one program, the naive FP4 rollout's."""
+    if cfg.rollout == "bf16":
+        return QuantPolicy.bf16()
+    return QuantPolicy.rollout(cfg.fmt, guided_layers="none")
+
+
 def train_policy(cfg: RLConfig) -> QuantPolicy:
     """The trainer's forward for ``cfg.train_mode``."""
     if cfg.train_mode == "bf16":
@@ -495,9 +503,9 @@ class RLRun:
         )
         # The engines take the mesh's arrays as they are split (no copy gathered anywhere).
         self.engine = RolloutEngine(model, self.rollout_policy, rollout_cfg)
-        # Greedy evaluation with the rollout's precision, config and policy (its records are
-        # not used): batches of the rollout's size run the rollout's compiled programs.
-        self.eval_engine = RolloutEngine(model, self.rollout_policy, rollout_cfg, greedy=True)
+        # Greedy evaluation with the rollout's precision and config, recording nothing: batches
+        # of the rollout's size, one program for every FP4 mode (the naive rollout's).
+        self.eval_engine = RolloutEngine(model, eval_policy(cfg), rollout_cfg, greedy=True)
         # The BF16 reference's evaluation, for an FP4 rollout's policy (eval_bf16): that run's
         # engine config, so that both measure a policy alike.
         self.bf16_eval_engine = None
