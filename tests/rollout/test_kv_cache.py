@@ -76,7 +76,7 @@ def test_empty_fp4_buffers_are_the_quantized_zeros(fmt):
 def test_row_writes_are_one_scatter_of_distinct_indices():
     """Invalid tokens and slots past the end are dropped, the rest land where they belong, and
     the scatter is declared to meet each index once (under XLA's deterministic GPU ops one that
-    is not becomes a loop over its indices)."""
+    is not is rewritten, into a loop over its indices)."""
     buf = jnp.zeros((3, 5, 2), jnp.float32)
     chunk = jnp.arange(3 * 3 * 2, dtype=jnp.float32).reshape(3, 3, 2) + 1
     lengths = jnp.asarray([0, 3, 4], jnp.int32)

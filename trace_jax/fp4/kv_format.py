@@ -133,7 +133,7 @@ def scatter_rows(buf: jax.Array, chunk: jax.Array, lengths: jax.Array, valid: ja
 
     The written (row, slot) pairs are distinct (out-of-range ones are dropped, never written),
     and the scatter says so: under XLA's deterministic GPU ops a scatter that may meet an index
-    twice is expanded into a loop over its indices, one row at a time."""
+    twice is rewritten (into a loop over its indices, one update at a time)."""
     b, t = valid.shape
     slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]
     slots = jnp.where(valid, slots, buf.shape[1])  # out of range: dropped
