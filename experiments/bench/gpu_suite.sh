@@ -122,9 +122,10 @@ STEPS=(
   "rl-mismatch-bf16-xla|400|$PY $BENCH/rl_mismatch.py $MEDIUM rollout_backend=xla --prompts 128 --json $OUT/rl-mismatch-bf16-xla.json"
   # where TRACE-all's guided sites leave the rollout's codes (0.2-2 % of elements in the RL
   # loop's first steps at `medium`, nearly all two or more steps apart; none on the CPU): one
-  # rollout batch per engine (both Pallas kernels, the expert kernel alone, XLA), by layer,
-  # position and sequence
-  "rl-guided-mismatch|540|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,pallas:moe,xla --json $OUT/guided-mismatch.json"
+  # rollout batch per engine (both Pallas kernels, then XLA; then the expert kernel alone), by
+  # layer, position and sequence (each engine compiles for ~1 min)
+  "rl-guided-mismatch|540|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,xla --json $OUT/guided-mismatch.json"
+  "rl-guided-mismatch-moe|400|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas:moe --json $OUT/guided-mismatch-moe.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
