@@ -347,8 +347,8 @@ def _median(stat: Mapping[str, float] | None) -> str:
 
 
 def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, ...]]:
-    """Per mode: (steps, mean, sd, n seeds, min, max over seeds) of ``key`` at the RL steps
-    every seed logged."""
+    """Per mode: (steps, mean, n seeds, min, max over seeds) of ``key`` at the RL steps every
+    seed logged."""
     out = {}
     for mode, names in data["modes"].items():
         curves = [rl_curve(data["cells"][n]["records"], key) for n in names]
@@ -359,22 +359,14 @@ def _curves(data: Mapping, key: str) -> dict[str, tuple[np.ndarray, ...]]:
         if not steps:
             continue
         values = np.array([[c[s] for s in steps] for c in curves])
-        sd = values.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros(len(steps))
-        out[mode] = (
-            np.array(steps),
-            values.mean(axis=0),
-            sd,
-            len(curves),
-            values.min(0),
-            values.max(0),
-        )
+        out[mode] = (np.array(steps), values.mean(0), len(curves), values.min(0), values.max(0))
     return out
 
 
 def _panel(ax, curves, title: str, ylabel: str, log: bool = False) -> None:
     """Mean over seeds per mode; the band is the seeds' range (mean ± sd would leave the values'
     bounds where one seed collapses, below 0 on a log axis or above 1 for a reward)."""
-    for mode, (steps, mean, _sd, n, lo, hi) in curves.items():
+    for mode, (steps, mean, n, lo, hi) in curves.items():
         (line,) = ax.plot(
             steps, mean, marker="." if len(steps) < 30 else None, label=f"{mode} (n={n})"
         )

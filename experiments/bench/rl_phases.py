@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row[key]:17.4g}" if key in row else f"{'-':>17s}" for row in rows.values()
         )
         print(f"{key:34s}{cells}")
-    for line in overheads(
-        runs, rows
-    ):  # TRACE's step time against vanilla QAT's (the paper: +7.4 %)
+    # TRACE's step time against vanilla QAT's (the paper: +7.4 %)
+    for line in overheads(runs, rows):
         print(line)
     return 0
 
