@@ -15,11 +15,15 @@ BENCH=experiments/bench
 RUN="$PY -m experiments run"
 MEDIUM=configs/reasoning/medium.yaml
 PHASES="$PY $BENCH/rl_phases.py"
+# The suite's own helpers are lower case: the knobs a caller sets (WS, RL_MIN, RL_ARGS, CACHE_MB,
+# OUT, PYTHON) are upper case and reach the steps as they were given.
+# a run's records (metrics, results, curves; not its parameters) into $OUT/<run>.tgz
+keep="keep() { tar czf $OUT/\$(basename \$1).tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill \$1; }; keep"
 # the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it
-WS="ws() { [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=100000 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1; }; ws"
-FROM_WS="warm_start.steps=0 init_checkpoint=runs/ws-modes"
+ws_once="ws() { [ -f runs/ws-modes/results.json ] || $RUN $MEDIUM steps=0 eval_problems=0 checkpoint_every=0 --run-dir runs/ws-modes > $OUT/ws-modes.log 2>&1; }; ws"
+from_ws="warm_start.steps=0 init_checkpoint=runs/ws-modes"
 # the modes named, after the recipe's warm start
-MODES="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; $WS || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=100000 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
+modes_of="modes() { export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; $ws_once || return 1; for e in \"\$@\"; do timeout -s ABRT 230 $RUN $MEDIUM experiment=\$e warm_start.steps=0 init_checkpoint=runs/ws-modes steps=12 eval_every=12 checkpoint_every=0 --run-dir runs/modes-\$e > $OUT/modes-\$e.log 2>&1; echo \"\$e rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/modes-\$e.log | awk '\$(NF-1) > 3 {print \$(NF-1), \$0}' | sort -g | tail -8; grep -v '^ *@\\|Finished\\|^train \\[' $OUT/modes-\$e.log | tail -4; rm -rf runs/modes-\$e/checkpoints runs/modes-\$e/policy; done; $PHASES runs/modes-*; }; modes"
 # Programs compiled by one step are loaded by the next (the machine starts with no cache).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 # ... and by the next call: a machine starts bare, so the suite unpacks the compiled programs an
@@ -106,40 +110,42 @@ STEPS=(
   # the recipe's deterministic warm start twice at once (two processes, each compiling its own
   # programs): the same start_policy_sha256 is what lets a study's modes start from one policy
   # across calls; run it again in another call and compare the digest
-  "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=100000 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
+  "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=0 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   # the recipe (128 prompts x 8, minibatches of 128 sequences): warm start and 220 RL steps (the
   # run stops itself after RL_MIN minutes, default 9, to fit a call with less device time left;
   # RL_ARGS: more key=value overrides, e.g. RL_ARGS="lr=5e-5 lr_warmup_steps=20")
-  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 \${RL_ARGS:-} --run-dir runs/learn-bf16; rm -rf runs/learn-bf16/checkpoints; $PHASES runs/learn-bf16"
+  "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-bf16; $keep runs/learn-bf16; $PHASES runs/learn-bf16"
   # the recipe from a shorter warm start of WS steps (more for RL to learn: after 200 steps the
   # policy solves ~4 % greedily, after 560 ~85 %)
-  "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=100000 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; rm -rf runs/learn-ws*/checkpoints; $PHASES runs/learn-ws\${WS:-320}"
+  "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; $keep runs/learn-ws\${WS:-320}; $PHASES runs/learn-ws\${WS:-320}"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
-  "rl-mismatch-bf16|560|$WS || exit 1; $PY $BENCH/rl_mismatch.py $MEDIUM $FROM_WS --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
+  "rl-mismatch-bf16|560|$ws_once || exit 1; $PY $BENCH/rl_mismatch.py $MEDIUM $from_ws --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"
   # the same with XLA's decode attention in the engine instead of the Pallas kernel
   "rl-mismatch-bf16-xla|400|$PY $BENCH/rl_mismatch.py $MEDIUM rollout_backend=xla --prompts 128 --json $OUT/rl-mismatch-bf16-xla.json"
   # where TRACE-all's guided sites leave the rollout's codes (0.2-2 % of elements in the RL
   # loop's first steps at `medium`, nearly all two or more steps apart; none on the CPU): one
   # rollout batch per engine (both Pallas kernels, then XLA; then the expert kernel alone), by
   # layer, position and sequence (each engine compiles for ~1 min)
-  "rl-guided-mismatch|540|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,xla --json $OUT/guided-mismatch.json"
-  "rl-guided-mismatch-moe|400|$WS || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $FROM_WS experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas:moe --json $OUT/guided-mismatch-moe.json"
+  "rl-guided-mismatch|540|$ws_once || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $from_ws experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas,xla --json $OUT/guided-mismatch.json"
+  "rl-guided-mismatch-moe|400|$ws_once || exit 1; $PY $BENCH/guided_mismatch.py $MEDIUM $from_ws experiment=fp4_trace_all code_metrics_rows=64 --prompts 64 --backends pallas:moe --json $OUT/guided-mismatch-moe.json"
   # each program's tracing, lowering and compilation seconds in the first RL step of an FP4 mode
   # (QAT: the rollout records every site's codes for 8 sequences; then with no code records); a
   # run stopped at its limit prints its Python stack (SIGABRT, PYTHONFAULTHANDLER)
-  "rl-compile-qat|500|export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; for r in 8 0; do timeout -s ABRT 230 $RUN $MEDIUM experiment=fp4_qat warm_start.steps=2 steps=2 eval_problems=0 checkpoint_every=100000 code_metrics_rows=\$r --run-dir runs/compile-qat-\$r > $OUT/compile-qat-\$r.log 2>&1; echo \"code_metrics_rows=\$r rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/compile-qat-\$r.log | awk '\$(NF-1) > 2 {print \$(NF-1), \$0}' | sort -g | tail -15; rm -rf runs/compile-qat-\$r/checkpoints runs/compile-qat-\$r/policy; done"
+  "rl-compile-qat|500|export JAX_LOG_COMPILES=1 PYTHONFAULTHANDLER=1; for r in 8 0; do timeout -s ABRT 230 $RUN $MEDIUM experiment=fp4_qat warm_start.steps=2 steps=2 eval_problems=0 checkpoint_every=0 code_metrics_rows=\$r --run-dir runs/compile-qat-\$r > $OUT/compile-qat-\$r.log 2>&1; echo \"code_metrics_rows=\$r rc=\$?\"; grep -o 'Finished .* in [0-9.e-]* sec' $OUT/compile-qat-\$r.log | awk '\$(NF-1) > 2 {print \$(NF-1), \$0}' | sort -g | tail -15; rm -rf runs/compile-qat-\$r/checkpoints runs/compile-qat-\$r/policy; done"
   # the FP4 modes from one warm start (made once per machine: runs/ws-modes), 12 RL steps each
   # under the recipe, two modes a step; each program's compile seconds from JAX_LOG_COMPILES
   # (a mode stopped at its limit prints its Python stack); checkpoints removed (a `medium`
   # run's final one is ~11 GB, the machine's disk ~64 GB); then the phases side by side
-  "rl-modes-qat-trace|565|$MODES fp4_qat fp4_trace"
-  "rl-modes-all-naive|565|$MODES fp4_trace_all fp4_rollout_bf16_train"
+  "rl-modes-qat-trace|565|$modes_of fp4_qat fp4_trace"
+  "rl-modes-all-naive|565|$modes_of fp4_trace_all fp4_rollout_bf16_train"
   # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %), in
   # the study's setting (code metrics on 8 sequences); TRACE with its guidance handed over on
   # the device (the default) and through the host cache
-  "rl-overhead-modes|565|$WS || exit 1; for m in fp4_qat:device fp4_trace:device fp4_trace:host; do e=\${m%:*}; g=\${m#*:}; timeout 160 $RUN $MEDIUM experiment=\$e guidance_path=\$g $FROM_WS steps=16 eval_problems=0 checkpoint_every=100000 --run-dir runs/overhead-\$e-\$g > $OUT/overhead-\$e-\$g.log 2>&1; echo \"\$m rc=\$?\"; rm -rf runs/overhead-\$e-\$g/checkpoints runs/overhead-\$e-\$g/policy; done; $PHASES runs/overhead-*"
+  "rl-overhead-modes|565|$ws_once || exit 1; for e in fp4_qat fp4_trace; do timeout 250 $RUN $MEDIUM experiment=\$e $from_ws steps=10 eval_problems=0 checkpoint_every=0 --run-dir runs/overhead-\$e > $OUT/overhead-\$e.log 2>&1; echo \"\$e rc=\$?\"; done; $PHASES runs/overhead-fp4_qat runs/overhead-fp4_trace"
+  # the same for TRACE with its guidance through the host cache (guidance_path=host)
+  "rl-overhead-host|300|$ws_once || exit 1; timeout 250 $RUN $MEDIUM experiment=fp4_trace guidance_path=host $from_ws steps=10 eval_problems=0 checkpoint_every=0 --run-dir runs/overhead-host > $OUT/overhead-host.log 2>&1; $PHASES runs/overhead-*"
 )
 
 if [ "${1:-}" = "--list" ]; then

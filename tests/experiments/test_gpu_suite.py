@@ -45,3 +45,27 @@ def test_every_step_runs_its_shell_without_an_error(tmp_path):
         log = (out / f"{name}.log").read_text()
         for error in ("syntax error", "unexpected EOF", "bad substitution", "unbound variable"):
             assert error not in log, f"{name}: {error}\n{log[-1000:]}"
+
+
+def test_a_callers_knobs_reach_the_steps_as_given(tmp_path):
+    """``WS=320 ... rl-learn-medium-ws`` warm-starts for 320 steps (a helper of the suite named
+    like a knob had once replaced the caller's value with its own text)."""
+    env = {
+        **os.environ,
+        "PYTHON": "echo",
+        "OUT": str(tmp_path / "out"),
+        "PACK_CACHE": "0",
+        "CACHE_IN": str(tmp_path / "no-cache"),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "WS": "320",
+        "RL_MIN": "8",
+        "RL_ARGS": "lr=1e-5",
+    }
+    step = "rl-learn-medium-ws"
+    subprocess.run(["bash", str(SUITE), step], cwd=tmp_path, env=env, timeout=60, check=True)
+    log = (tmp_path / "out" / f"{step}.log").read_text().splitlines()
+    command = next(line for line in log if line.startswith("-m experiments run"))
+    assert command.split() == [
+        "-m", "experiments", "run", "configs/reasoning/medium.yaml", "warm_start.steps=320",
+        "time_limit_min=8", "checkpoint_every=0", "lr=1e-5", "--run-dir", "runs/learn-ws320",
+    ]  # fmt: skip

@@ -264,13 +264,16 @@ def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch
 
 def test_guidance_in_place_trains_as_guidance_through_the_cache(tmp_path):
     """The engine's records handed over on the device (``guidance_path=device``) and the same
-    records through the cache and a tensorstore spill: one run, to the bit."""
+    records through the cache and a tensorstore spill: one run, to the bit. (The second saves
+    no checkpoint: ``checkpoint_every: 0``.)"""
     cfg = small(staleness=0, steps=2, eval_every=10)
     loop.RLRun(cfg, tmp_path / "host", log=lambda *_: None).run()
-    device = dataclasses.replace(cfg, guidance_path="device")
+    device = dataclasses.replace(cfg, guidance_path="device", checkpoint_every=0)
     loop.RLRun(device, tmp_path / "device", log=lambda *_: None).run()
     host, dev = records(tmp_path / "host"), records(tmp_path / "device")
     assert len(dev) == 3 and dev == host
+    saved = lambda run: sorted(p.name for p in (tmp_path / run / "checkpoints").glob("*"))  # noqa: E731
+    assert saved("host") == ["1", "2"] and saved("device") == []
     last = json.loads((tmp_path / "device" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["guidance/bytes"] > 0 and "guidance/transfer_s" not in last
 

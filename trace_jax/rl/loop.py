@@ -183,7 +183,8 @@ class RLConfig:
     eval_bf16: also evaluate with BF16 weights, activations and KV cache, as the BF16-rollout
       reference evaluates (``eval/reward_bf16``; an FP4-rollout run compiles one more engine,
       a BF16 one logs its ``eval/reward``): every mode's policy measured the same way.
-    checkpoint_every: checkpoint every this many steps (and at the end).
+    checkpoint_every: checkpoint every this many steps (and at the end); 0: never (a benchmark's
+      run, which a kill loses; a warm start still writes its ``policy/``).
     deterministic: XLA's deterministic GPU ops (``--xla_gpu_deterministic_ops``, set by the
       entry point before the GPU starts): a warm start repeated on another machine gives
       bit-identical parameters (compare ``start_policy_sha256``); scatter-adds are slower.
@@ -268,12 +269,13 @@ class RLConfig:
             "eval_problems",
             "guidance_host_bytes",
             "time_limit_min",
+            "checkpoint_every",
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
         if self.code_metrics_rows < 0:
             raise ConfigError(f"code_metrics_rows: must be >= 0, got {self.code_metrics_rows}")
-        for key in ("eval_every", "checkpoint_every", "mesh_data", "mesh_fsdp", "mesh_expert"):
+        for key in ("eval_every", "mesh_data", "mesh_fsdp", "mesh_expert"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         batch = self.prompts_per_step * self.group_size
@@ -849,13 +851,15 @@ class RLRun:
                     f"{label} {m[k]:.3g}" for k, label in PROGRESS_KEYS.items() if k in m
                 )
                 progress.update(step + 1, info)
-                if (step + 1) % cfg.checkpoint_every == 0 or final:
+                every = cfg.checkpoint_every
+                if every and ((step + 1) % every == 0 or final):
                     meta = {name: stream.get_state() for name, stream in streams.items()}
                     ckpt.save(step, (state, history), {"next_step": step + 1, **meta})
                 if out_of_time and step < total - 1:
+                    saved = "checkpoint saved; the same command resumes"
                     self.log(
-                        f"time_limit_min: stopping after step {step + 1} of {total} (checkpoint "
-                        f"saved; the same command resumes)"
+                        f"time_limit_min: stopping after step {step + 1} of {total} "
+                        f"({saved if every else 'checkpoint_every: 0, nothing saved'})"
                     )
                     break
             if cfg.steps == 0 and done == total:  # a warm start only: others start from it
