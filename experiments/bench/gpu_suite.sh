@@ -119,6 +119,10 @@ STEPS=(
   # the recipe from a shorter warm start of WS steps (more for RL to learn: after 200 steps the
   # policy solves ~4 % greedily, after 560 ~85 %)
   "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; $keep runs/learn-ws\${WS:-320}; $PHASES runs/learn-ws\${WS:-320}"
+  # the rollout's row writes (tokens, log-probs, K/V, codes) against NumPy, with and without
+  # XLA's deterministic ops, in the form before a851a84 and in scatter_rows (since it, the GPU's
+  # mismatch at medium fell ~10x and TRACE's guided sites agree to ~1e-6)
+  "row-writes|240|$PY $BENCH/row_writes.py; $PY $BENCH/row_writes.py --deterministic"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
   "rl-mismatch-bf16|560|$ws_once || exit 1; $PY $BENCH/rl_mismatch.py $MEDIUM $from_ws --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"

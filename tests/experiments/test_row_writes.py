@@ -1,0 +1,31 @@
+"""experiments/bench/row_writes.py: the rollout's row writes against a NumPy reference."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench import row_writes
+
+
+def clamped(buf, chunk, lengths, valid):
+    """A faulty write: out-of-range positions clamped to the last slot instead of dropped."""
+    b, t = valid.shape
+    slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]
+    slots = jnp.where(valid, slots, buf.shape[1])
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode="clip")
+
+
+def test_both_forms_write_as_the_reference_and_a_faulty_one_is_caught():
+    writes = row_writes.rollout_writes(8, 24, 8, 3, (2, 4), np.float32, seed=1)
+    assert writes[0][4].sum() < writes[0][4].size  # ragged prompts: some positions invalid
+    assert sum(not w[4].all() for w in writes[1:]) > 0  # finished rows in some decode step
+    for form in (row_writes.old_scatter_rows, row_writes.scatter_rows):
+        assert [n for _, n, _ in row_writes.check(form, writes)] == [0] * len(writes)
+    faulty = row_writes.check(clamped, writes)
+    padded = int((~writes[0][4]).any(axis=1).sum())  # rows whose prompt is padded
+    assert faulty[0][1] > 0 and faulty[0][2] == padded  # their padding lands in the last slot
+
+
+def test_the_script_passes_on_this_device(capsys):
+    assert row_writes.main(["--batch", "16", "--slots", "24", "--prompt", "8", "--steps", "2"]) == 0
+    assert capsys.readouterr().out.count("differing elements         0") == 8
