@@ -45,7 +45,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
         row["sft/step_s"] = statistics.median(sft[1:] or sft)
     if rl and "step_s" in rl[0]:  # compiles the rollout's and the trainer's programs
         row["first RL step_s"] = rl[0]["step_s"]
-    for key in (*PHASES, "rollout/tokens_per_s", "guidance/bytes"):
+    for key in (*PHASES, "rollout/tokens_per_s", "rollout/decode_step_ms", "guidance/bytes"):
         values = [r[key] for r in steady if key in r]
         if values:
             row[key] = statistics.median(values)

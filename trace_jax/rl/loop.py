@@ -709,7 +709,8 @@ class RLRun:
             ref = jax.device_put(ref, jax.tree.map(lambda a: a.sharding, state.params))
         state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
         all_rewards = self._gather(rewards)
-        generated = int(jnp.sum(batch.loss_mask))
+        per_row = jnp.sum(batch.loss_mask, axis=1)
+        generated, longest = int(jnp.sum(per_row)), int(jnp.max(per_row))
         m.update(times)
         m.update(self._slowest({k: v for k, v in m.items() if k.endswith("_s")}))
         m.update(
@@ -717,6 +718,10 @@ class RLRun:
                 "reward": float(all_rewards.mean()),
                 "response_length": generated / (p * g),
                 "rollout/tokens_per_s": generated / m["rollout/decode_s"],
+                # the decode loop runs until the longest response ends: its iterations (one
+                # turn) and the seconds of each, comparable across batches and modes
+                "rollout/decode_steps": longest,
+                "rollout/decode_step_ms": 1e3 * m["rollout/decode_s"] / max(longest, 1),
                 "train/step_s": sum(
                     v for k, v in m.items() if k.startswith("train/") and k.endswith("_s")
                 ),
