@@ -116,6 +116,7 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
             assert r[phase] > 0, phase
         generated = r["response_length"] * 4
         assert r["rollout/tokens_per_s"] * r["rollout/decode_s"] == pytest.approx(generated)
+        assert r["reward/mixed_groups"] in (0.0, 0.5, 1.0)  # 2 groups of 2 samples
         # the loop's iterations: the longest of the 4 responses, at most max_new_tokens
         assert r["response_length"] <= r["rollout/decode_steps"] <= min(6, generated)
         assert r["rollout/decode_step_ms"] * r["rollout/decode_steps"] == pytest.approx(
@@ -300,6 +301,13 @@ def test_configs_refuse_bad_combinations():
     with pytest.raises(ConfigError, match=r"top_p"):
         small(top_p=0.0)
     assert dataclasses.replace(small(), staleness=2).staleness == 2
+
+
+def test_mixed_groups_by_hand():
+    rewards = np.array([0, 0, 0, 1, 1, 1, 0.5, 0.5, 0, 0, 0, 0])  # 4 groups of 3
+    assert loop.mixed_groups(rewards, 3) == 0.25  # only the third group differs inside
+    assert loop.mixed_groups(rewards, 4) == pytest.approx(2 / 3)
+    assert loop.mixed_groups(np.ones(6), 2) == 0.0
 
 
 def test_learning_rate_schedules_by_hand():

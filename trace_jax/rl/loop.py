@@ -716,6 +716,8 @@ class RLRun:
         m.update(
             {
                 "reward": float(all_rewards.mean()),
+                # groups whose samples' rewards differ: the only ones with a nonzero advantage
+                "reward/mixed_groups": mixed_groups(all_rewards, g),
                 "response_length": generated / (p * g),
                 "rollout/tokens_per_s": generated / m["rollout/decode_s"],
                 # the decode loop runs until the longest response ends: its iterations (one
@@ -885,6 +887,14 @@ class RLRun:
         }
 
 
+def mixed_groups(rewards: np.ndarray, group_size: int) -> float:
+    """The share of groups (``group_size`` consecutive samples of one prompt in ``rewards``
+    [P * G]) whose rewards are not all equal: GRPO's signal (an all-equal group's advantages
+    are zero)."""
+    groups = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    return float(np.mean(groups.max(axis=1) > groups.min(axis=1)))
+
+
 def _restore_policy(path: str, model: Transformer) -> None:
     """Load ``init_checkpoint`` into ``model``: a run directory's ``policy/`` or a folder of
     ``save_params``. Raises ``ConfigError`` naming the folder when it is missing or does not fit
@@ -938,6 +948,7 @@ PROGRESS_KEYS = {
 }
 PLOT_KEYS = (
     "reward",
+    "reward/mixed_groups",
     "eval/reward",
     "eval/reward_bf16",
     "mismatch/logp_abs",
