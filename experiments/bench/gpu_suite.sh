@@ -15,8 +15,8 @@ BENCH=experiments/bench
 RUN="$PY -m experiments run"
 MEDIUM=configs/reasoning/medium.yaml
 PHASES="$PY $BENCH/rl_phases.py"
-# The suite's own helpers are lower case: the knobs a caller sets (WS, RL_MIN, RL_ARGS, CACHE_MB,
-# OUT, PYTHON) are upper case and reach the steps as they were given.
+# The suite's own helpers are lower case: the knobs a caller sets (WS, WS_MAP, RL_MIN, RL_ARGS,
+# CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
 # a run's records (metrics, results, curves; not its parameters) into $OUT/<run>.tgz
 keep="keep() { tar czf $OUT/\$(basename \$1).tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill \$1; }; keep"
 # the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it
@@ -116,6 +116,9 @@ STEPS=(
   # run stops itself after RL_MIN minutes, default 9, to fit a call with less device time left;
   # RL_ARGS: more key=value overrides, e.g. RL_ARGS="lr=5e-5 lr_warmup_steps=20")
   "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-bf16; $keep runs/learn-bf16; $PHASES runs/learn-bf16"
+  # what a warm start of each length solves greedily (1,024 held-out problems): the recipe's
+  # WS for RL to learn (at 320 steps ~8 %, at 560 ~85 %); WS_MAP: the lengths, 4 fit a call
+  "rl-warm-start-map|540|for n in \${WS_MAP:-360 400 440 480}; do $RUN $MEDIUM steps=0 warm_start.steps=\$n checkpoint_every=0 --run-dir runs/ws-map-\$n > $OUT/ws-map-\$n.log 2>&1; echo \"warm_start.steps=\$n rc=\$? \$(grep -o '\"eval/reward\": [0-9.]*' runs/ws-map-\$n/metrics.jsonl | tail -1)\"; done"
   # the recipe from a shorter warm start of WS steps (more for RL to learn: after 200 steps the
   # policy solves ~4 % greedily, after 560 ~85 %)
   "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; $keep runs/learn-ws\${WS:-320}; $PHASES runs/learn-ws\${WS:-320}"
