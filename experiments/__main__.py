@@ -44,7 +44,9 @@ def sweep_command(args: argparse.Namespace) -> int:
     from experiments.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep, args.overrides)
-    return run_sweep(sweep, args.only, args.dry_run, args.allow_config_change)
+    return run_sweep(
+        sweep, args.only, args.dry_run, args.allow_config_change, args.warm_start_only, args.jobs
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     sweep_p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     sweep_p.add_argument("--only", default=None, help="run only the cells matching this glob")
     sweep_p.add_argument("--dry-run", action="store_true", help="list the cells and their state")
+    sweep_p.add_argument(
+        "--jobs", type=int, default=1, help="cells at once, each in its own process (one GPU)"
+    )
+    sweep_p.add_argument(
+        "--warm-start-only", action="store_true", help="run only the shared warm start"
+    )
     sweep_p.add_argument(ALLOW_CHANGE, **allow)
     rep_p = sub.add_parser("report", help="tables and figures of a sweep directory")
     rep_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")

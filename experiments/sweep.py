@@ -29,6 +29,12 @@ a machine (the GPU calls) it is run again on the next start, and a finished cell
 ``start_policy_sha256`` differs from the warm start's stops the sweep in one line: only a
 ``deterministic: true`` warm start on the same kind of GPU repeats the same parameters.
 
+``--jobs N`` runs up to N cells at once, each in its own process (``python -m experiments sweep
+<file> --only <cell>``, its output in ``<sweep_dir>/logs/<cell>.log``) with a share of the GPU's
+memory (``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.9 / N unless set), after the warm start's own
+process (``--warm-start-only``): on one GPU a cell's steps leave the device idle between small
+kernels, which another cell's steps can fill.
+
 With ``keep_checkpoints: false`` a cell that finishes keeps its records (settings, metrics,
 results, plots) and loses its checkpoints and its copy of the starting policy (a `medium` run's
 are ~15 GB; a GPU machine's disk holds a few), so it cannot be continued: a start that would
@@ -42,8 +48,11 @@ import fnmatch
 import gc
 import itertools
 import json
+import os
 import shutil
+import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,6 +95,7 @@ class Sweep:
     warm_start: Cell
     cells: tuple[Cell, ...]
     keep_checkpoints: bool = True
+    extra: tuple[str, ...] = ()  # the command line's overrides (joined to the file's in overrides)
 
     def record(self) -> dict[str, Any]:
         """What ``sweep.yaml`` holds: the base resolved with the overrides (the settings every
@@ -182,6 +192,7 @@ def load_sweep(path: str, extra_overrides: Sequence[str] = ()) -> Sweep:
         warm_start,
         tuple(cells),
         keep,
+        tuple(extra_overrides),
     )
 
 
@@ -230,12 +241,20 @@ def check_record(sweep: Sweep, allow_change: bool) -> list:
 
 
 def run_sweep(
-    sweep: Sweep, only: str | None = None, dry_run: bool = False, allow_change: bool = False
+    sweep: Sweep,
+    only: str | None = None,
+    dry_run: bool = False,
+    allow_change: bool = False,
+    warm_start_only: bool = False,
+    jobs: int = 1,
 ) -> int:
     """Run (or with ``dry_run`` list) the warm start and the cells matching ``only`` (a glob on
-    cell names). Returns 0, or 1 when a cell failed."""
+    cell names; none with ``warm_start_only``), ``jobs`` cells at a time (above 1: each in its
+    own process, ``run_parallel``). Returns 0, or 1 when a cell failed."""
     from experiments.runner import execute
 
+    if jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
     cells = [c for c in sweep.cells if only is None or fnmatch.fnmatchcase(c.name, only)]
     if not cells:
         raise ConfigError(
@@ -261,11 +280,15 @@ def run_sweep(
     sweep.sweep_dir.mkdir(parents=True, exist_ok=True)
     if diff or not (sweep.sweep_dir / SWEEP_FILE).is_file():
         (sweep.sweep_dir / SWEEP_FILE).write_text(yaml.safe_dump(sweep.record(), sort_keys=False))
+    if jobs > 1:
+        return run_parallel(sweep, cells, jobs, allow_change)
     ws = sweep.warm_start
     if not finished(sweep.warm_start_dir, ws):
         print(f"\n=== {sweep.warm_start_dir}: the warm start every cell starts from")
         execute(ws.exp, ws.cfg, sweep.warm_start_dir, allow_change)
     check_starts(sweep)
+    if warm_start_only:
+        return 0
     failed = []
     for i, cell in enumerate(cells):
         run_dir = sweep.sweep_dir / cell.name
@@ -295,6 +318,52 @@ def run_sweep(
     print(f"report: python -m experiments report {sweep.sweep_dir}")
     if failed:
         print(f"failed cells (tried again on the next start): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: bool) -> int:
+    """The warm start in a process of its own, then ``cells`` (those not finished), up to
+    ``jobs`` processes at once, each a ``sweep --only <cell>`` of this sweep's file and
+    overrides, its output in ``<sweep_dir>/logs/<cell>.log``. Returns 0, or 1 when a cell's
+    process failed (its log names why)."""
+    command = [sys.executable, "-m", "experiments", "sweep", sweep.file, *sweep.extra]
+    if allow_change:
+        from experiments.runner import ALLOW_CHANGE
+
+        command.append(ALLOW_CHANGE)
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")
+    print(f"\n=== {sweep.warm_start_dir}: the warm start every cell starts from", flush=True)
+    if subprocess.run([*command, "--warm-start-only"], env=env).returncode:
+        return 1
+    logs = sweep.sweep_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    todo = [c for c in cells if not finished(sweep.sweep_dir / c.name, c)]
+    running: dict[str, tuple[subprocess.Popen, Any]] = {}
+    failed = []
+    while todo or running:
+        while todo and len(running) < jobs:
+            cell = todo.pop(0)
+            log = (logs / f"{cell.name}.log").open("w")
+            print(f"=== {sweep.sweep_dir / cell.name}: started (log {log.name})", flush=True)
+            proc = subprocess.Popen(
+                [*command, "--only", cell.name], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            running[cell.name] = (proc, log)
+        time.sleep(0.2)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            print(f"=== {sweep.sweep_dir / name}: exit code {proc.returncode}", flush=True)
+            if proc.returncode:
+                failed.append(name)
+    print("\n" + listing(sweep, cells))
+    print(f"report: python -m experiments report {sweep.sweep_dir}")
+    if failed:
+        print(f"failed cells (logs in {logs}): {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

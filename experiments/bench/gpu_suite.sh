@@ -147,6 +147,9 @@ STEPS=(
   # run's final one is ~11 GB, the machine's disk ~64 GB); then the phases side by side
   "rl-modes-qat-trace|565|$modes_of fp4_qat fp4_trace"
   "rl-modes-all-naive|565|$modes_of fp4_trace_all fp4_rollout_bf16_train"
+  # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
+  # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
+  "rl-parallel|480|$ws_once || exit 1; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for s in 0 1; do timeout 400 $RUN $MEDIUM $from_ws seed=\$s steps=40 eval_problems=0 checkpoint_every=0 --run-dir runs/par-\$s > $OUT/par-\$s.log 2>&1 & done; wait; $PHASES runs/par-0 runs/par-1"
   # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %), in
   # the study's setting (code metrics on 8 sequences); TRACE with its guidance handed over on
   # the device (the default) and through the host cache

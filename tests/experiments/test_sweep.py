@@ -249,3 +249,25 @@ def test_a_run_ended_by_its_time_limit_is_a_partial_cell(tmp_path):
     assert cell_state(tmp_path) == "partial"
     (tmp_path / "results.json").write_text(json.dumps({"complete": True, "records": 5}))
     assert cell_state(tmp_path) == "done"
+
+
+@pytest.mark.slow
+def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(tmp_path, capsys, small_yaml):
+    """``--jobs 2``: the warm start in its own process, then both cells at once, each in a
+    process of its own with its log; both start RL from the warm start's parameters."""
+    spec = sweep_file(
+        tmp_path, small_yaml(steps=1), grid={"experiment": ["bf16_rollout"], "seed": [0, 1]}
+    )
+    assert main(["sweep", spec, "eval_problems=0", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    events = [line.split(": ")[-1].split()[0] for line in out if line.startswith("=== ")]
+    assert events[0] == "the" and events[1:3] == ["started", "started"]  # both at once
+    assert sorted(events[3:]) == ["exit", "exit"]
+    sweep = tmp_path / "sweep"
+    digest = json.loads((sweep / "warm_start" / "results.json").read_text())["start_policy_sha256"]
+    for cell in ("bf16_rollout-seed0", "bf16_rollout-seed1"):
+        results = json.loads((sweep / cell / "results.json").read_text())
+        assert results["complete"] and results["start_policy_sha256"] == digest
+        assert "=== " in (sweep / "logs" / f"{cell}.log").read_text()  # the cell's own output
+        assert runlog.current_config(sweep / cell)["eval_problems"] == 0  # the CLI's override
+    assert main(["sweep", spec, "eval_problems=0", "--jobs", "0"]) == 2
