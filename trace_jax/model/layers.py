@@ -309,5 +309,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     """
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    # a count by comparison (one fused reduction), not ``bincount``'s scatter-add, which XLA's
+    # deterministic GPU ops rewrite (the rollout's decode step held no other such scatter)
+    hits = flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype)[None]
+    group_sizes = jnp.sum(hits, axis=0, dtype=jnp.int32)
     return order, group_sizes
