@@ -94,3 +94,19 @@ def test_likely_out_of_memory_is_told():
     told.clear()
     memory.check_fits(rl, MEDIUM, 64, budget=got.gpu_estimate, warn=told.append)
     assert told == []
+
+
+def test_peak_is_what_the_device_reports(monkeypatch):
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(
+        memory.jax, "local_devices", lambda: [Device({"peak_bytes_in_use": 3 << 29})]
+    )
+    assert memory.peak_gib() == 1.5
+    monkeypatch.setattr(memory.jax, "local_devices", lambda: [Device(None)])  # a CPU
+    assert memory.peak_gib() is None

@@ -733,6 +733,8 @@ class RLRun:
         )
         if self.guidance_bytes.compact:
             m.update(self.guidance_bytes.metrics())
+        if (peak := memory.peak_gib()) is not None:
+            m["memory/peak_gib"] = peak
         return state, m
 
     # ------------------------------------------------------------------ driver

@@ -122,6 +122,15 @@ def plan(rl, cfg: ModelConfig, max_len: int) -> MemoryPlan:
     return MemoryPlan(parts)
 
 
+def peak_gib() -> float | None:
+    """The most memory this process's first device has held (GiB), where it reports it (a GPU;
+    None on a CPU): what a run really needs, against ``plan``'s estimate and the budget of
+    several runs sharing a GPU (``sweep --jobs``)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
 def check_fits(
     rl, cfg: ModelConfig, max_len: int, budget: int | None = None, warn=None
 ) -> MemoryPlan:
