@@ -49,7 +49,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
         values = [r[key] for r in steady if key in r]
         if values:
             row[key] = statistics.median(values)
-    last = ("reward", "eval/reward", "eval/reward_bf16", "mismatch/logp_abs")
+    last = ("reward", "eval/reward", "eval/reward_bf16", "mismatch/logp_abs", "memory/peak_gib")
     for key in (*last, "mismatch/guided_code_agreement"):
         values = [r[key] for r in rl if key in r]
         if values:
