@@ -2,8 +2,9 @@
 
 Commands: ``run`` (one config into a run directory), ``list``, ``compare`` (several run
 directories), ``sweep`` (a grid of runs from one shared warm start), ``report`` (a sweep's
-tables and figures), ``export`` (a policy as an FP4 Hugging Face folder for vLLM / SGLang) and
-``shard-report`` (a preset's bytes per device on a mesh, from shapes alone).
+tables and figures), ``archive`` (a sweep's records without parameters, for keeping),
+``export`` (a policy as an FP4 Hugging Face folder for vLLM / SGLang) and ``shard-report`` (a
+preset's bytes per device on a mesh, from shapes alone).
 Every error a user can cause ends in one line on stderr naming the file or key, exit code 2;
 Ctrl-C ends in one line naming the last checkpoint, exit code 130.
 """
@@ -81,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
     rep_p = sub.add_parser("report", help="tables and figures of a sweep directory")
     rep_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")
     rep_p.add_argument("--out", default=None, help="output folder (default <sweep_dir>/report)")
+    arc_p = sub.add_parser("archive", help="copy a sweep's records (no parameters) for keeping")
+    arc_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")
+    arc_p.add_argument("dest", help="the archive's folder (cells merged into one that exists)")
     exp_p = sub.add_parser("export", help="write a policy as an FP4 Hugging Face folder")
     exp_p.add_argument(
         "source", help="a run directory, <run>/policy, <run>/checkpoints/<step> or a HF folder"
@@ -121,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             from experiments.report import report
 
             return report(args.sweep_dir, args.out)
+        if args.command == "archive":
+            from experiments.sweep import archive
+
+            return archive(args.sweep_dir, args.dest)
         if args.command == "list":
             import experiments.pipelines  # noqa: F401
 

@@ -39,7 +39,7 @@ def fmt_spread(values: Sequence[float | None]) -> str:
 def load_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
     """(settings of its newest steps, metrics records, summary) of a run directory."""
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    if not metrics.is_file() and not (run_dir / "metrics.jsonl.gz").is_file():
         raise ConfigError(f"{run_dir} has no metrics.jsonl")
     cfg = runlog.current_config(run_dir) or {}
     records = runlog.read_metrics(metrics)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import gc
+import gzip
 import itertools
 import json
 import os
@@ -365,6 +366,50 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
     if failed:
         print(f"failed cells (logs in {logs}): {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+# What ``archive`` keeps of each run: its settings, results, error and metrics (gzipped).
+ARCHIVED = ("config*.yaml", "results.json", ERROR_FILE)
+
+
+def archive(sweep_dir: str | Path, dest: str | Path) -> int:
+    """Copy a sweep's records (``sweep.yaml``; per cell and for the warm start: settings,
+    ``results.json``, ``error.txt``, ``metrics.jsonl`` gzipped; no parameters, checkpoints or
+    plots) into ``dest``, which ``report`` then reads as it reads the sweep: the evidence of a
+    study kept in the repository (a cell of ~200 steps: ~50 KB). Cells are merged into an
+    archive that exists (a study run over several machines); ``sweep.yaml`` must agree."""
+    sweep_dir, dest = Path(sweep_dir), Path(dest)
+    file = sweep_dir / SWEEP_FILE
+    if not file.is_file():
+        raise ConfigError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})")
+    record = yaml.safe_load(file.read_text())
+    ws = Path(record.get("warm_start_dir") or sweep_dir / WARM_START)
+    record["warm_start_dir"] = str(dest / WARM_START)
+    old = dest / SWEEP_FILE
+    if old.is_file():
+        keys = ("base_config", "grid")
+        kept = yaml.safe_load(old.read_text())
+        if any(kept.get(k) != record.get(k) for k in keys):
+            raise ConfigError(f"{dest}: holds another sweep's records ({', '.join(keys)} differ)")
+        record["cells"] = {**kept.get("cells", {}), **record.get("cells", {})}
+    dest.mkdir(parents=True, exist_ok=True)
+    runs = {WARM_START: ws, **{name: sweep_dir / name for name in record.get("cells", {})}}
+    copied = 0
+    for name, run_dir in runs.items():
+        if not run_dir.is_dir():
+            continue
+        out = dest / name
+        out.mkdir(exist_ok=True)
+        for pattern in ARCHIVED:
+            for f in run_dir.glob(pattern):
+                shutil.copy2(f, out / f.name)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            (out / "metrics.jsonl.gz").write_bytes(gzip.compress(metrics.read_bytes(), mtime=0))
+        copied += 1
+    old.write_text(yaml.safe_dump(record, sort_keys=False))
+    print(f"archived {copied} runs of {sweep_dir} into {dest}")
     return 0
 
 

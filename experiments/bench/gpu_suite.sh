@@ -149,7 +149,8 @@ STEPS=(
   "rl-modes-all-naive|565|$modes_of fp4_trace_all fp4_rollout_bf16_train"
   # a study's cells (issue 28): SWEEP (default the modes' sweep), ONLY (a glob of its cells),
   # JOBS cells at once, each process stopped after RL_MIN minutes; the sweep's records (no
-  # parameters) come back in $OUT/study.tgz: untar them into runs/sweeps/ here and `report`
+  # parameters) come back in $OUT/study.tgz: untar them here, `python -m experiments archive
+  # runs/sweeps/<name> docs/results/sweeps/<name>` (cells of every call merged), then `report`
   "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --jobs \${JOBS:-1} time_limit_min=\${RL_MIN:-9} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps"
   # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs

@@ -163,6 +163,16 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         f"Every finished cell started RL from the warm start's parameters (sha256 `{start[:16]}`)"
         in table
     )
+    # The records archived (no parameters; merged into an archive that exists) report alike.
+    kept = tmp_path / "kept"
+    assert main(["archive", str(sweep_dir), str(kept)]) == 0
+    assert main(["archive", str(sweep_dir), str(kept)]) == 0
+    assert not any(kept.rglob("policy")) and not any(kept.rglob("checkpoints"))
+    assert (kept / CELLS[0] / "metrics.jsonl.gz").is_file()
+    assert main(["report", str(kept), "--out", str(tmp_path / "r-kept")]) == 0
+    archived = json.loads((tmp_path / "r-kept" / "report.json").read_text())
+    assert archived == agg
+    assert f"sha256 `{start[:16]}`)" in (tmp_path / "r-kept" / "report.md").read_text()
     results = sweep_dir / CELLS[1] / "results.json"
     results.write_text(
         json.dumps({**json.loads(results.read_text()), "start_policy_sha256": "f" * 64})

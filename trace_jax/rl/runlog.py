@@ -9,6 +9,7 @@ holds the settings of step 0; a resume with other settings adds ``config.changed
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import sys
@@ -75,8 +76,15 @@ def _plain(v):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl`` file, in order (or of its gzip archive,
+    ``metrics.jsonl.gz``, where the file itself is absent)."""
+    path = Path(path)
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.is_file():
+        text = gzip.decompress(packed.read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 class Progress:
