@@ -9,13 +9,13 @@ time against each vanilla QAT run's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import yaml
 
 from experiments.report import rl_curve
+from trace_jax.rl import runlog
 
 PHASES = (
     "rollout/refit_s",
@@ -35,8 +35,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
     RL steps of a run after its first (and of the warm start's steps after its first), the
     first RL step's seconds (compilation included); plus the last train reward, eval rewards
     and logp_abs."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    records = list(map(json.loads, lines))
+    records = runlog.read_metrics(Path(run_dir) / "metrics.jsonl")
     rl = [r for r in records if "reward" in r]
     sft = [r["sft/step_s"] for r in records if "sft/step_s" in r]
     steady = rl[1:] or rl
@@ -59,7 +58,7 @@ def phase_table(run_dir: Path) -> dict[str, float]:
 
 def eval_curve(run_dir: Path, key: str = "eval/reward") -> list[tuple[int, float]]:
     """(RL steps done, value) of a greedy evaluation, the one before RL at 0."""
-    records = list(map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()))
+    records = runlog.read_metrics(Path(run_dir) / "metrics.jsonl")
     return list(rl_curve(records, key).items())
 
 
