@@ -315,10 +315,16 @@ def run_sweep(
             for name in PRUNED:
                 shutil.rmtree(run_dir / name, ignore_errors=True)
         gc.collect()  # the cell's parameters and engines, before the next allocates its own
+    return ending(sweep, cells, failed, "tried again on the next start")
+
+
+def ending(sweep: Sweep, cells: Sequence[Cell], failed: Sequence[str], why: str) -> int:
+    """The sweep's closing lines: each cell's state, the report's command, the failed cells.
+    Returns 0, or 1 when a cell failed."""
     print("\n" + listing(sweep, cells))
     print(f"report: python -m experiments report {sweep.sweep_dir}")
     if failed:
-        print(f"failed cells (tried again on the next start): {', '.join(failed)}", file=sys.stderr)
+        print(f"failed cells ({why}): {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -361,12 +367,7 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
             print(f"=== {sweep.sweep_dir / name}: exit code {proc.returncode}", flush=True)
             if proc.returncode:
                 failed.append(name)
-    print("\n" + listing(sweep, cells))
-    print(f"report: python -m experiments report {sweep.sweep_dir}")
-    if failed:
-        print(f"failed cells (logs in {logs}): {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return ending(sweep, cells, failed, f"logs in {logs}")
 
 
 # What ``archive`` keeps of each run: its settings, results, error and metrics (gzipped).

@@ -34,13 +34,14 @@ import numpy as np
 from trace_jax.fp4.kv_format import scatter_rows
 
 
-def old_scatter_rows(buf, chunk, lengths, valid):
-    """``scatter_rows`` as it was before ``a851a84``: the same indices, not declared unique."""
+def old_scatter_rows(buf, chunk, lengths, valid, mode="drop"):
+    """``scatter_rows`` as it was before ``a851a84``: the same indices, not declared unique
+    (``mode="clip"``: a faulty form, which writes invalid positions into the last slot)."""
     b, t = valid.shape
     slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]
     slots = jnp.where(valid, slots, buf.shape[1])
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode="drop")
+    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode=mode)
 
 
 def reference(buf, chunk, lengths, valid):

@@ -1,18 +1,10 @@
 """experiments/bench/row_writes.py: the rollout's row writes against a NumPy reference."""
 
-import jax.numpy as jnp
+import functools
+
 import numpy as np
 
 from experiments.bench import row_writes
-
-
-def clamped(buf, chunk, lengths, valid):
-    """A faulty write: out-of-range positions clamped to the last slot instead of dropped."""
-    b, t = valid.shape
-    slots = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]
-    slots = jnp.where(valid, slots, buf.shape[1])
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return buf.at[rows, slots].set(chunk.astype(buf.dtype), mode="clip")
 
 
 def test_both_forms_write_as_the_reference_and_a_faulty_one_is_caught():
@@ -21,6 +13,7 @@ def test_both_forms_write_as_the_reference_and_a_faulty_one_is_caught():
     assert sum(not w[4].all() for w in writes[1:]) > 0  # finished rows in some decode step
     for form in (row_writes.old_scatter_rows, row_writes.scatter_rows):
         assert [n for _, n, _ in row_writes.check(form, writes)] == [0] * len(writes)
+    clamped = functools.partial(row_writes.old_scatter_rows, mode="clip")
     faulty = row_writes.check(clamped, writes)
     padded = int((~writes[0][4]).any(axis=1).sum())  # rows whose prompt is padded
     assert faulty[0][1] > 0 and faulty[0][2] == padded  # their padding lands in the last slot
