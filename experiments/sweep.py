@@ -51,6 +51,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -349,24 +350,34 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
     todo = [c for c in cells if not finished(sweep.sweep_dir / c.name, c)]
     running: dict[str, tuple[subprocess.Popen, Any]] = {}
     failed = []
-    while todo or running:
-        while todo and len(running) < jobs:
-            cell = todo.pop(0)
-            log = (logs / f"{cell.name}.log").open("w")
-            print(f"=== {sweep.sweep_dir / cell.name}: started (log {log.name})", flush=True)
-            proc = subprocess.Popen(
-                [*command, "--only", cell.name], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-            running[cell.name] = (proc, log)
-        time.sleep(0.2)
-        for name, (proc, log) in list(running.items()):
-            if proc.poll() is None:
-                continue
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                cell = todo.pop(0)
+                log = (logs / f"{cell.name}.log").open("w")
+                print(f"=== {sweep.sweep_dir / cell.name}: started (log {log.name})", flush=True)
+                proc = subprocess.Popen(
+                    [*command, "--only", cell.name], env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+                running[cell.name] = (proc, log)
+            time.sleep(0.2)
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[name]
+                print(f"=== {sweep.sweep_dir / name}: exit code {proc.returncode}", flush=True)
+                if proc.returncode:
+                    failed.append(name)
+    finally:  # interrupted (Ctrl-C, a time limit): each cell stops as Ctrl-C stops a run
+        for proc, _ in running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, log in running.values():
+            try:
+                proc.wait(timeout=120)  # its checkpoint written
+            except subprocess.TimeoutExpired:
+                proc.kill()
             log.close()
-            del running[name]
-            print(f"=== {sweep.sweep_dir / name}: exit code {proc.returncode}", flush=True)
-            if proc.returncode:
-                failed.append(name)
     return ending(sweep, cells, failed, f"logs in {logs}")
 
 

@@ -281,3 +281,44 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(tmp_path, capsy
         assert "=== " in (sweep / "logs" / f"{cell}.log").read_text()  # the cell's own output
         assert runlog.current_config(sweep / cell)["eval_problems"] == 0  # the CLI's override
     assert main(["sweep", spec, "eval_problems=0", "--jobs", "0"]) == 2
+
+
+def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
+    """Ctrl-C (or a time limit) in the parent of ``--jobs``: every running cell gets the SIGINT
+    a run answers with a checkpoint, and is waited for."""
+    import subprocess
+    import sys
+    import time
+
+    from experiments import sweep as sweep_mod
+
+    started, real_popen = [], subprocess.Popen
+    monkeypatch.setattr(
+        sweep_mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0)
+    )
+
+    procs = []
+
+    def popen(args, **kw):  # a cell that runs until interrupted
+        started.append(args[-1])
+        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return procs[-1]
+
+    monkeypatch.setattr(sweep_mod.subprocess, "Popen", popen)
+    real_sleep, slept = time.sleep, []
+
+    def sleep(seconds):  # Ctrl-C at the sweep's first wait, once its cells run
+        if not slept:
+            slept.append(seconds)
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(sweep_mod.time, "sleep", sleep)
+    sweep = load_sweep(sweep_file(tmp_path, small_yaml()))
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        sweep_mod.run_sweep(sweep, jobs=3)
+    assert started == CELLS[:3] and time.monotonic() - t0 < 30  # stopped, not waited out
+    assert [p.returncode for p in procs] == [-2] * 3  # each ended by the SIGINT it got
+    for cell in CELLS[:3]:
+        assert (tmp_path / "sweep" / "logs" / f"{cell}.log").is_file()
