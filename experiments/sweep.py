@@ -374,7 +374,7 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
             proc.send_signal(signal.SIGINT)
         for proc, log in running.values():
             try:
-                proc.wait(timeout=120)  # its checkpoint written
+                proc.wait(timeout=120)  # its files closed, its last checkpoint named
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()

@@ -285,7 +285,7 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(tmp_path, capsy
 
 def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
     """Ctrl-C (or a time limit) in the parent of ``--jobs``: every running cell gets the SIGINT
-    a run answers with a checkpoint, and is waited for."""
+    a run stops on (its files closed, its last checkpoint named), and is waited for."""
     import subprocess
     import sys
     import time
