@@ -4,6 +4,8 @@ and retried, other settings are refused, and the report's numbers are those of t
 metrics files."""
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -262,25 +264,55 @@ def test_a_run_ended_by_its_time_limit_is_a_partial_cell(tmp_path):
 
 
 @pytest.mark.slow
-def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(tmp_path, capsys, small_yaml):
-    """``--jobs 2``: the warm start in its own process, then both cells at once, each in a
-    process of its own with its log; both start RL from the warm start's parameters."""
-    spec = sweep_file(
-        tmp_path, small_yaml(steps=1), grid={"experiment": ["bf16_rollout"], "seed": [0, 1]}
-    )
-    assert main(["sweep", spec, "eval_problems=0", "--jobs", "2"]) == 0
+def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
+    tmp_path, capsys, monkeypatch, small_yaml
+):
+    """``--jobs 2``: the warm start's command, then both cells' at once, each with its log and
+    half the GPU's memory; each command is a ``sweep`` of this file and overrides that runs its
+    part (run here in this process, whose compiled programs the other tests share: the real
+    processes' handling is the interrupt test's), and both cells start RL from the warm start's
+    parameters."""
+    import subprocess
+
+    from experiments import sweep as sweep_mod
+
+    commands = []
+
+    def run_here(args, env, **kw):  # a process's command, run in this one
+        assert args[:4] == [sys.executable, "-m", "experiments", "sweep"]
+        commands.append((args[4:], env["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+        return subprocess.CompletedProcess(args, main(args[3:]))
+
+    class Done:
+        def __init__(self, args, env, stdout, stderr):
+            self.returncode = run_here(args, env).returncode
+            print("=== cell output", file=stdout, flush=True)
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(sweep_mod.subprocess, "run", run_here)
+    monkeypatch.setattr(sweep_mod.subprocess, "Popen", Done)
+    spec = sweep_file(tmp_path, small_yaml(), grid={"experiment": ["fp4_trace"], "seed": [0, 1]})
+    assert main(["sweep", spec, "eval_every=5", "--jobs", "2"]) == 0
+    assert commands == [
+        ([spec, "eval_every=5", "--warm-start-only"], "0.450"),
+        ([spec, "eval_every=5", "--only", CELLS[0]], "0.450"),
+        ([spec, "eval_every=5", "--only", CELLS[1]], "0.450"),
+    ]
     out = capsys.readouterr().out.splitlines()
-    events = [line.split(": ")[-1].split()[0] for line in out if line.startswith("=== ")]
-    assert events[0] == "the" and events[1:3] == ["started", "started"]  # both at once
-    assert sorted(events[3:]) == ["exit", "exit"]
+    parent = [re.match(r"=== \S+: (started|exit code)", line) for line in out]
+    assert [m[1] for m in parent if m] == ["started", "started", "exit code", "exit code"]
     sweep = tmp_path / "sweep"
     digest = json.loads((sweep / "warm_start" / "results.json").read_text())["start_policy_sha256"]
-    for cell in ("bf16_rollout-seed0", "bf16_rollout-seed1"):
+    for cell in CELLS[:2]:
         results = json.loads((sweep / cell / "results.json").read_text())
         assert results["complete"] and results["start_policy_sha256"] == digest
-        assert "=== " in (sweep / "logs" / f"{cell}.log").read_text()  # the cell's own output
-        assert runlog.current_config(sweep / cell)["eval_problems"] == 0  # the CLI's override
-    assert main(["sweep", spec, "eval_problems=0", "--jobs", "0"]) == 2
+        assert "=== cell output" in (sweep / "logs" / f"{cell}.log").read_text()
+        assert runlog.current_config(sweep / cell)["eval_every"] == 5  # the CLI's override
+    assert not (sweep / CELLS[2]).exists()  # not in the grid
+    assert main(["sweep", spec, "eval_every=5", "--jobs", "0"]) == 2
 
 
 def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
