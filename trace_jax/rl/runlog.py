@@ -176,6 +176,8 @@ def plot_curves(
 EVAL_KEYS = ("eval/reward", "eval/reward_bf16")
 
 LAST_FIFTH = (
+    "train/entropy",
+    "reward/mixed_groups",
     "mismatch/logp_abs",
     "mismatch/kl_k3",
     "mismatch/guided_code_agreement",
@@ -199,8 +201,9 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
         update and at the last evaluation; eval/reward_bf16_start, eval/reward_bf16_end: the
         same evaluated in BF16 (``eval_bf16``).
       reward/first_fifth, reward/last_fifth: mean train reward (sampled rollouts).
-      <key>/last_fifth for the ``LAST_FIFTH`` keys (``mismatch/logp_abs``, ``mismatch/kl_k3``,
-        the code agreement at guided sites and the one-code-step share of code mismatches):
+      <key>/last_fifth for the ``LAST_FIFTH`` keys (``train/entropy``, ``reward/mixed_groups``,
+        ``mismatch/logp_abs``, ``mismatch/kl_k3``, the code agreement at guided sites and the
+        one-code-step share of code mismatches):
         means over the steps of the last fifth that logged the key (for a share of mismatches,
         that had a mismatch).
       time/<key>: for every logged ``<key>`` ending in ``_s`` (seconds of a phase), its mean over
