@@ -127,6 +127,8 @@ TABLE_COLUMNS = (
     ("eval/reward_bf16_end", "eval reward in BF16, end"),
     ("reward/first_fifth", "train reward, first 5th"),
     ("reward/last_fifth", "train reward, last 5th"),
+    ("train/entropy/last_fifth", "entropy, last 5th"),
+    ("reward/mixed_groups/last_fifth", "groups with a signal, last 5th"),
     ("mismatch/logp_abs/last_fifth", "logp_abs"),
     ("mismatch/kl_k3/last_fifth", "kl_k3"),
     ("mismatch/guided_code_agreement/last_fifth", "guided code agreement"),

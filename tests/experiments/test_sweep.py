@@ -331,17 +331,23 @@ def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, sm
 
     procs = []
 
-    def popen(args, **kw):  # a cell that runs until interrupted
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    cell = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)"
+
+    def popen(args, **kw):  # a cell that says it runs, then runs until interrupted
         started.append(args[-1])
-        procs.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        procs.append(real_popen([sys.executable, "-c", cell, str(ready / args[-1])], **kw))
         return procs[-1]
 
     monkeypatch.setattr(sweep_mod.subprocess, "Popen", popen)
     real_sleep, slept = time.sleep, []
 
-    def sleep(seconds):  # Ctrl-C at the sweep's first wait, once its cells run
-        if not slept:
+    def sleep(seconds):  # Ctrl-C at the sweep's first wait, once its cells run (a signal sent
+        if not slept:  # to a process still starting could be lost before it can handle it)
             slept.append(seconds)
+            while len(list(ready.iterdir())) < len(procs):
+                real_sleep(0.05)
             raise KeyboardInterrupt
         real_sleep(seconds)
 
