@@ -118,7 +118,7 @@ STEPS=(
   "rl-learn-medium|565|$RUN $MEDIUM time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-bf16; $keep runs/learn-bf16; $PHASES runs/learn-bf16"
   # what a warm start of each length solves greedily (1,024 held-out problems): the recipe's
   # WS for RL to learn (at 320 steps ~8 %, at 560 ~85 %); WS_MAP: the lengths, 4 fit a call
-  "rl-warm-start-map|540|for n in \${WS_MAP:-360 400 440 480}; do $RUN $MEDIUM steps=0 warm_start.steps=\$n checkpoint_every=0 --run-dir runs/ws-map-\$n > $OUT/ws-map-\$n.log 2>&1; echo \"warm_start.steps=\$n rc=\$? \$(grep -o '\"eval/reward\": [0-9.]*' runs/ws-map-\$n/metrics.jsonl | tail -1)\"; done"
+  "rl-warm-start-map|540|for n in \${WS_MAP:-360 400 440 480}; do $RUN $MEDIUM steps=0 warm_start.steps=\$n checkpoint_every=0 --run-dir runs/ws-map-\$n > $OUT/ws-map-\$n.log 2>&1; echo \"warm_start.steps=\$n rc=\$? \$(grep -o '\"eval/reward\": [0-9.]*' runs/ws-map-\$n/metrics.jsonl | tail -1)\"; rm -rf runs/ws-map-\$n/policy; done"
   # the recipe from a shorter warm start of WS steps (more for RL to learn: after 200 steps the
   # policy solves ~4 % greedily, after 560 ~85 %)
   "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; $keep runs/learn-ws\${WS:-320}; $PHASES runs/learn-ws\${WS:-320}"
