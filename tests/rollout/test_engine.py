@@ -324,3 +324,23 @@ def test_a_scanned_prefill_gives_the_per_layer_engines_rollout(model, monkeypatc
         same, dataclasses.replace(states[0], cache=None), dataclasses.replace(states[1], cache=None)
     )
     assert len(states[1].guidance) == 2 * 4
+
+
+def test_the_decode_step_declares_every_scatter_unique():
+    """Every scatter of the compiled decode loop (the token, log-prob, route, K/V and record
+    writes of ``_append``, the MoE layer's counts) declares that it meets each index once: XLA's
+    deterministic GPU ops rewrite any other (into loops or a sort and a scan; a rewrite whose
+    writes the GPU's mismatch at ``medium`` was most likely measuring until ``a851a84``)."""
+    import re
+
+    cfg = CFG.replace(dtype="bfloat16", param_dtype="float32")
+    policy = QuantPolicy.rollout(guided_layers="all", record_codes=True)
+    rollout = RolloutConfig(max_len=16, max_new_tokens=8, kv_cache="nvfp4", code_rows=2)
+    eng = RolloutEngine(Transformer(cfg, nnx.Rngs(2)), policy, rollout)
+    state = eng.append(eng.start(4), [[1, 2, 3]] * 4)
+    rows = jnp.arange(4, dtype=jnp.int32)
+    lowered = RolloutEngine._decode.lower(eng, eng.state, state, jax.random.key(0), False, rows)
+    lines = re.findall(r"= \S+ scatter\(.*", lowered.compile().as_text())
+    assert lines  # the row writes at least
+    for line in lines:
+        assert "unique_indices=true" in line, line[:300]
