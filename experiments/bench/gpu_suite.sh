@@ -101,6 +101,9 @@ STEPS=(
   "trainer-profile|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30"
   "trainer-profile-xla|300|XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --expert-matmul xla"
   "trainer-profile-deterministic|300|XLA_FLAGS='--xla_gpu_deterministic_ops=true --xla_gpu_enable_command_buffer=' $PY $BENCH/trainer_profile.py --preset medium --batch 256 --minibatch 64 --top 30 --profile-calls 1"
+  # at the recipe's shapes (1,024 sequences of 64 slots scored, minibatches of 128, deterministic
+  # ops as medium.yaml runs them): where its 0.95 s of forward and backward a step goes
+  "trainer-profile-recipe|360|XLA_FLAGS='--xla_gpu_deterministic_ops=true --xla_gpu_enable_command_buffer=' $PY $BENCH/trainer_profile.py --preset medium --batch 1024 --minibatch 128 --seq 64 --new 48 --top 40 --profile-calls 1"
   # TRACE's guidance path for one `medium` rollout batch of the recipe (1,024 x 64 slots, 344 MiB):
   # device -> host cache -> trainer's device arrays
   "rl-guidance-path|200|$PY $BENCH/guidance_path.py --preset medium --batch 1024 --slots 64"
