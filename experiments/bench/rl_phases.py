@@ -30,6 +30,9 @@ PHASES = (
 )
 
 
+OUTSIDE_DECODE = "step_s outside decode"
+
+
 def phase_table(run_dir: Path) -> dict[str, float]:
     """Medians of each phase, ``rollout/tokens_per_s`` and ``guidance/bytes`` over the
     RL steps of a run after its first (and of the warm start's steps after its first), the
@@ -48,6 +51,10 @@ def phase_table(run_dir: Path) -> dict[str, float]:
         values = [r[key] for r in steady if key in r]
         if values:
             row[key] = statistics.median(values)
+    # the step without its decode loop, whose length one outlier response sets
+    outside = [r["step_s"] - r["rollout/decode_s"] for r in steady if "rollout/decode_s" in r]
+    if outside and "step_s" in steady[0]:
+        row[OUTSIDE_DECODE] = statistics.median(outside)
     last = ("reward", "eval/reward", "eval/reward_bf16", "mismatch/logp_abs", "memory/peak_gib")
     for key in (*last, "mismatch/guided_code_agreement"):
         values = [r[key] for r in rl if key in r]
@@ -75,12 +82,20 @@ def overheads(runs: dict[str, Path], rows: dict[str, dict[str, float]]) -> list[
     for name, e in experiment.items():
         if e in ("fp4_trace", "fp4_trace_all") and "step_s" in rows[name]:
             for q in qat:
-                ratio = rows[name]["step_s"] / rows[q]["step_s"] - 1
-                lines.append(
-                    f"{name} ({e}) against {q} (fp4_qat): step {rows[name]['step_s']:.4g} s "
-                    f"against {rows[q]['step_s']:.4g} s, {100 * ratio:+.1f} %"
-                )
+                t, v = rows[name], rows[q]
+                line = f"{name} ({e}) against {q} (fp4_qat): step {_versus(t, v, 'step_s', 's')}"
+                for key, unit, what in (
+                    (OUTSIDE_DECODE, "s", "outside the decode loop"),
+                    ("rollout/decode_step_ms", "ms", "per decode iteration"),
+                ):
+                    if key in t and key in v:
+                        line += f"; {what} {_versus(t, v, key, unit)}"
+                lines.append(line)
     return lines
+
+
+def _versus(a: dict, b: dict, key: str, unit: str) -> str:
+    return f"{a[key]:.4g} {unit} against {b[key]:.4g} {unit}, {100 * (a[key] / b[key] - 1):+.1f} %"
 
 
 def main(argv: list[str] | None = None) -> int:

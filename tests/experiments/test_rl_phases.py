@@ -25,6 +25,7 @@ def test_medians_skip_each_parts_first_step(tmp_path):
     assert row["sft_steps"] == 3 and row["sft/step_s"] == 0.4  # median of 0.3 and 0.5
     assert row["rl_steps"] == 3 and row["step_s"] == 3.0 and row["rollout/decode_s"] == 1.25
     assert row["last reward"] == 0.4 and row["last eval/reward"] == 0.3
+    assert row[rl_phases.OUTSIDE_DECODE] == 1.75  # median of 2 - 1 and 4 - 1.5
     assert rl_phases.eval_curve(tmp_path) == [(0, 0.25), (2, 0.3)]
     assert rl_phases.eval_curve(tmp_path, "eval/reward_bf16") == []
 
@@ -42,3 +43,10 @@ def test_trace_step_time_against_qat(tmp_path):
         runs[name], rows[name] = d, {"step_s": step}
     (line,) = rl_phases.overheads(runs, rows)
     assert line.startswith("t (fp4_trace) against q (fp4_qat)") and line.endswith("+5.0 %")
+    rows["q"] |= {rl_phases.OUTSIDE_DECODE: 1.6, "rollout/decode_step_ms": 5.0}
+    rows["t"] |= {rl_phases.OUTSIDE_DECODE: 1.64, "rollout/decode_step_ms": 4.5}
+    (line,) = rl_phases.overheads(runs, rows)
+    assert line.endswith(
+        "+5.0 %; outside the decode loop 1.64 s against 1.6 s, +2.5 %; "
+        "per decode iteration 4.5 ms against 5 ms, -10.0 %"
+    )
