@@ -55,7 +55,15 @@ def phase_table(run_dir: Path) -> dict[str, float]:
     outside = [r["step_s"] - r["rollout/decode_s"] for r in steady if "rollout/decode_s" in r]
     if outside and "step_s" in steady[0]:
         row[OUTSIDE_DECODE] = statistics.median(outside)
-    last = ("reward", "eval/reward", "eval/reward_bf16", "mismatch/logp_abs", "memory/peak_gib")
+    last = (
+        "reward",
+        "reward/mixed_groups",
+        "train/entropy",
+        "eval/reward",
+        "eval/reward_bf16",
+        "mismatch/logp_abs",
+        "memory/peak_gib",
+    )
     for key in (*last, "mismatch/guided_code_agreement"):
         values = [r[key] for r in rl if key in r]
         if values:
