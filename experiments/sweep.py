@@ -407,12 +407,16 @@ def archive(sweep_dir: str | Path, dest: str | Path) -> int:
         record["cells"] = {**kept.get("cells", {}), **record.get("cells", {})}
     dest.mkdir(parents=True, exist_ok=True)
     runs = {WARM_START: ws, **{name: sweep_dir / name for name in record.get("cells", {})}}
-    copied = 0
+    copied, kept_done = 0, []
     for name, run_dir in runs.items():
         if not run_dir.is_dir():
             continue
         out = dest / name
-        out.mkdir(exist_ok=True)
+        if cell_state(out) == "done" and cell_state(run_dir) != "done":
+            kept_done.append(name)  # a finished record is not replaced by an unfinished one
+            continue
+        shutil.rmtree(out, ignore_errors=True)  # no file of an earlier copy left beside these
+        out.mkdir()
         for pattern in ARCHIVED:
             for f in run_dir.glob(pattern):
                 shutil.copy2(f, out / f.name)
@@ -422,6 +426,8 @@ def archive(sweep_dir: str | Path, dest: str | Path) -> int:
         copied += 1
     old.write_text(yaml.safe_dump(record, sort_keys=False))
     print(f"archived {copied} runs of {sweep_dir} into {dest}")
+    if kept_done:
+        print(f"kept the finished records of {', '.join(kept_done)} (unfinished in {sweep_dir})")
     return 0
 
 

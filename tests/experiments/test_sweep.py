@@ -14,7 +14,7 @@ import yaml
 from flax import nnx
 
 from experiments.__main__ import main
-from experiments.sweep import load_sweep
+from experiments.sweep import SWEEP_FILE, load_sweep
 from trace_jax.model import ModelConfig, Transformer, params_digest, restore_params
 from trace_jax.rl import loop, runlog
 
@@ -175,6 +175,14 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     archived = json.loads((tmp_path / "r-kept" / "report.json").read_text())
     assert archived == agg
     assert f"sha256 `{start[:16]}`)" in (tmp_path / "r-kept" / "report.md").read_text()
+    # a cell unfinished in a later sweep directory does not replace its finished record
+    partial = tmp_path / "later"
+    (partial / CELLS[0]).mkdir(parents=True)
+    (partial / SWEEP_FILE).write_text((sweep_dir / SWEEP_FILE).read_text())
+    (partial / CELLS[0] / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert main(["archive", str(partial), str(kept)]) == 0
+    assert f"kept the finished records of {CELLS[0]}" in capsys.readouterr().out
+    assert len(runlog.read_metrics(kept / CELLS[0] / "metrics.jsonl")) == 2
     results = sweep_dir / CELLS[1] / "results.json"
     results.write_text(
         json.dumps({**json.loads(results.read_text()), "start_policy_sha256": "f" * 64})
