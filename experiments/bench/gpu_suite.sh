@@ -157,8 +157,8 @@ STEPS=(
   "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --jobs \${JOBS:-1} time_limit_min=\${RL_MIN:-9} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps"
   # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
-  # (memory.plan puts a cell at 35-44 GiB, each process here gets 0.45 of the GPU: on an H100 it
-  # may not fit, which the step then says; memory/peak_gib of a cell alone is the real need)
+  # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an
+  # H100, 59 of an H200: run it on an H200; memory/peak_gib of a cell alone is the real need)
   "rl-parallel|480|$ws_once || exit 1; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for s in 0 1; do timeout 400 $RUN $MEDIUM $from_ws seed=\$s steps=40 eval_problems=0 checkpoint_every=0 --run-dir runs/par-\$s > $OUT/par-\$s.log 2>&1 & done; wait; $PHASES runs/par-0 runs/par-1"
   # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %), in
   # the study's setting (code metrics on 8 sequences); TRACE with its guidance handed over on
