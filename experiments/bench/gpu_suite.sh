@@ -160,6 +160,9 @@ STEPS=(
   # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an
   # H100, 59 of an H200: run it on an H200; memory/peak_gib of a cell alone is the real need)
   "rl-parallel|480|$ws_once || exit 1; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for s in 0 1; do timeout 400 $RUN $MEDIUM $from_ws seed=\$s steps=40 eval_problems=0 checkpoint_every=0 --run-dir runs/par-\$s > $OUT/par-\$s.log 2>&1 & done; wait; $PHASES runs/par-0 runs/par-1"
+  # trim_padding (the trainer's batch cut to its longest sequence, rounded up to 16 slots) against
+  # the full 64 slots, BF16 from the recipe's warm start, 30 steps each: the trainer's seconds
+  "rl-trim|480|$ws_once || exit 1; for t in false true; do timeout 220 $RUN $MEDIUM $from_ws trim_padding=\$t steps=30 eval_problems=0 checkpoint_every=0 --run-dir runs/trim-\$t > $OUT/trim-\$t.log 2>&1; echo \"trim_padding=\$t rc=\$?\"; done; $PHASES runs/trim-false runs/trim-true"
   # TRACE's step time against vanilla QAT's on the same warm start (issue 27: at most +5 %), in
   # the study's setting (code metrics on 8 sequences); TRACE with its guidance handed over on
   # the device (the default) and through the host cache

@@ -303,6 +303,14 @@ def test_configs_refuse_bad_combinations():
     assert dataclasses.replace(small(), staleness=2).staleness == 2
 
 
+def test_trimmed_width_by_hand():
+    filled = np.arange(40)[None] < np.asarray([[3], [17], [9]])  # rows of 3, 17 and 9 slots
+    assert loop.trimmed_width(filled) == 32  # 17 up to a multiple of 16
+    assert loop.trimmed_width(filled, 8) == 24
+    assert loop.trimmed_width(filled[:, :20], 16) == 20  # at most S
+    assert loop.trimmed_width(filled[:1], 16) == 16
+
+
 def test_mixed_groups_by_hand():
     rewards = np.array([0, 0, 0, 1, 1, 1, 0.5, 0.5, 0, 0, 0, 0])  # 4 groups of 3
     assert loop.mixed_groups(rewards, 3) == 0.25  # only the third group differs inside

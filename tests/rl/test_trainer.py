@@ -162,6 +162,29 @@ def test_rl_step_update_follows_the_loss_with_its_kl_term_and_logs_code_metrics(
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_cut_to_its_longest_sequence_trains_as_the_whole(fp4_batch):
+    """``RLBatch.slots`` (``trim_padding``): without the slots that are padding in every row,
+    the step reports the same loss, mismatch and code metrics and makes the same update."""
+    model, batch = fp4_batch
+    longest = int(jnp.max(jnp.sum(batch.filled, axis=1)))
+    assert longest < batch.tokens.shape[1]  # the last slots are padding in every row
+    cut = batch.slots(longest)
+    assert cut.tokens.shape[1] == longest and cut.routes.shape[2] == longest
+    assert all(g.shape[1] == longest for g in cut.guidance.values()) and cut.guidance
+    assert all(c.shape[1] == longest for c in cut.rollout_codes.values()) and cut.rollout_codes
+    trainer = Trainer(model, QuantPolicy.trace(), KL, optax.sgd(1e-2))  # the update test's
+    ref = trainer.init().params
+    (whole, m), (part, m_cut) = (
+        trainer.rl_step(trainer.init(), b, ref_params=ref) for b in (batch, cut)
+    )
+    assert set(m) == set(m_cut)
+    for key, value in m.items():
+        if not key.endswith("_s"):
+            assert m_cut[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), key
+    for a, b in zip(jax.tree.leaves(part.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_warm_start_lowers_the_supervised_loss_without_guidance():
     model = Transformer(CFG, nnx.Rngs(2))
     trainer = Trainer(model, QuantPolicy.trace(), LossConfig(), optax.adam(1e-2))

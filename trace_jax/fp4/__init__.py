@@ -38,6 +38,7 @@ from trace_jax.fp4.transforms import (
     rollout_guidance,
     straight_through,
     take_rows,
+    take_slots,
     with_row_global_scale,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "round_to_e2m1",
     "straight_through",
     "take_rows",
+    "take_slots",
     "unpack_bits",
     "unpack_nibbles",
     "unpacked_codes",

@@ -196,6 +196,18 @@ def take_rows(record: QTensor | Guidance, rows: jax.Array) -> QTensor | Guidance
     return dataclasses.replace(record, **arrays, shape=(len(rows), *record.shape[1:]))
 
 
+def take_slots(record: QTensor | Guidance, width: int) -> QTensor | Guidance:
+    """The first ``width`` slots (axis 1, after the batch axis) of a record [B, S, ..., K]
+    quantized along a later axis; a per-tensor global scale is kept as it is."""
+    if record.axis <= 1:
+        raise ValueError(f"take_slots: axis {record.axis} of shape {record.shape} is quantized")
+    fields = [f.name for f in dataclasses.fields(record) if not f.metadata.get("static")]
+    arrays = {f: getattr(record, f) for f in fields}
+    arrays = {f: a if jnp.ndim(a) < 2 else a[:, :width] for f, a in arrays.items()}
+    shape = (record.shape[0], min(width, record.shape[1]), *record.shape[2:])
+    return dataclasses.replace(record, **arrays, shape=shape)
+
+
 def _check_guidance(x: jax.Array, guidance: Guidance) -> None:
     if tuple(x.shape) != tuple(guidance.shape):
         raise ValueError(

@@ -170,6 +170,9 @@ class RLConfig:
     scan_decode: with a model that scans its layers (``scan_layers``, on in ``medium``), scan
       them in the rollout's decode step too: compile time independent of depth, each decode
       step slower (weights and cache sliced out of stacked copies; see ``RolloutConfig``).
+    trim_padding: the trainer takes each rollout batch cut to its longest sequence, rounded up
+      to a multiple of ``TRIM_MULTIPLE`` slots (the slots past it are padding in every row): less
+      work a step where responses end early, one compiled trainer program per width met.
     code_metrics_rows: sequences per step whose full rollout codes are recorded for the code
       metrics (``mismatch/code_*``, ``guided_code_agreement``; 0: none; evenly spaced over the
       batch).
@@ -238,6 +241,7 @@ class RLConfig:
     staleness: int = 0
     rollout_backend: Literal["auto", "xla", "pallas"] = "auto"
     scan_decode: bool = False
+    trim_padding: bool = False
     code_metrics_rows: int = 8
     diagnostic: bool = False
     ref_on_host: bool = False
@@ -692,6 +696,8 @@ class RLRun:
             rollout_codes=codes,
             code_rows=rs.code_rows,
         )
+        if cfg.trim_padding:  # every process's batch to one width: the longest of all rows
+            batch = batch.slots(trimmed_width(rs.filled))
         return batch, rewards, {**times, **transfer}
 
     def rl_step(
@@ -887,6 +893,17 @@ class RLRun:
             "complete": done == total,
             "start_policy_sha256": self.start_digest,
         }
+
+
+# trim_padding's widths: multiples of this many slots (few compiled widths, little padding)
+TRIM_MULTIPLE = 16
+
+
+def trimmed_width(filled: jax.Array, multiple: int = TRIM_MULTIPLE) -> int:
+    """The slots a batch keeps under ``trim_padding``: its longest sequence (``filled`` [B, S]
+    bool, each row a prefix of True) rounded up to ``multiple``, at most S."""
+    longest = int(jnp.max(jnp.sum(filled, axis=1)))
+    return min(-(-longest // multiple) * multiple, filled.shape[1])
 
 
 def mixed_groups(rewards: np.ndarray, group_size: int) -> float:

@@ -107,6 +107,21 @@ class RLBatch:
             guidance={k: fp4.take_rows(g, rows) for k, g in self.guidance.items()},
         )
 
+    def slots(self, width: int) -> RLBatch:
+        """The batch's first ``width`` slots of every sequence (the rest padding, which the
+        loss, the metrics and the attention mask leave out): fewer slots for the trainer."""
+        cut = lambda a: a[:, :width]  # noqa: E731
+        return dataclasses.replace(
+            self,
+            tokens=cut(self.tokens),
+            filled=cut(self.filled),
+            loss_mask=cut(self.loss_mask),
+            rollout_logp=cut(self.rollout_logp),
+            routes=None if self.routes is None else self.routes[:, :, :width],
+            guidance={k: fp4.take_slots(g, width) for k, g in self.guidance.items()},
+            rollout_codes={k: fp4.take_slots(c, width) for k, c in self.rollout_codes.items()},
+        )
+
 
 def unguided(policy: QuantPolicy) -> QuantPolicy:
     """The policy with guided and record sites as plain RTN (for data without rollout records,
