@@ -128,7 +128,9 @@ STEPS=(
   # the rollout's row writes (tokens, log-probs, K/V, codes) against NumPy, with and without
   # XLA's deterministic ops, in the form before a851a84 and in scatter_rows (since it, the GPU's
   # mismatch at medium fell ~10x and TRACE's guided sites agree to ~1e-6)
-  "row-writes|240|$PY $BENCH/row_writes.py; $PY $BENCH/row_writes.py --deterministic"
+  # (then one rollout per form of a 2-layer random medium model through the Pallas engine under
+  # the flag, compared bit for bit: the writes inside the engine's loop)
+  "row-writes|420|$PY $BENCH/row_writes.py; $PY $BENCH/row_writes.py --deterministic; $PY $BENCH/row_writes.py --deterministic --engine medium --layers 2 --batch 256"
   # the BF16 trainer-vs-rollout mismatch of the recipe's warm start, by batch (256 or 1,024
   # sequences) and expert matmul (JAX's Hopper kernels or XLA's form) on either side
   "rl-mismatch-bf16|560|$ws_once || exit 1; $PY $BENCH/rl_mismatch.py $MEDIUM $from_ws --prompts 32,128 --json $OUT/rl-mismatch-bf16.json"

@@ -95,6 +95,52 @@ def check(form, writes) -> list[tuple[str, int, int]]:
     return out
 
 
+def engine_rollouts(preset: str, layers: int, batch: int, new: int) -> dict[str, dict]:
+    """One rollout of a random ``preset`` model (``layers`` of its layers; FP4 weights, NVFP4
+    cache, guidance and full codes recorded at every layer; the backend the RL loop picks on
+    this device) per row-write form: ``{form: {buffer: numpy array}}``, the same prompts and
+    key for both, every program compiled afresh for each form."""
+    from flax import nnx
+
+    from trace_jax.fp4 import kv_format
+    from trace_jax.model import ModelConfig, QuantPolicy, Transformer
+    from trace_jax.rollout import RolloutConfig, RolloutEngine, kv_cache
+
+    cfg = ModelConfig.preset(preset).replace(num_layers=layers)
+    model = Transformer(cfg, nnx.Rngs(0))
+    policy = QuantPolicy.rollout(guided_layers="all", record_codes=True)
+    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    rollout = RolloutConfig(
+        max_len=16 + new, max_new_tokens=new, kv_cache="nvfp4", backend=backend, code_rows=8
+    )
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, rng.integers(8, 17))) for _ in range(batch)]
+    out = {}
+    for name, form in (("old", old_scatter_rows), ("scatter_rows", scatter_rows)):
+        kv_format.scatter_rows = kv_cache.scatter_rows = form  # what the engine's writes call
+        jax.clear_caches()
+        state = RolloutEngine(model, policy, rollout).generate(prompts, jax.random.key(1))
+        arrays = {"tokens": state.tokens, "logprobs": state.logprobs, "routes": state.routes}
+        for site, record in state.guidance.items():
+            for field in ("codes", "mantissa_bits", "block_scales", "global_scale"):
+                if hasattr(record, field):
+                    arrays[f"{site}.{field}"] = getattr(record, field)
+        out[name] = {k: np.asarray(v) for k, v in arrays.items()}
+    kv_format.scatter_rows = kv_cache.scatter_rows = scatter_rows
+    jax.clear_caches()
+    return out
+
+
+def compare_rollouts(out: dict[str, dict]) -> int:
+    """Print the buffers in which the two forms' rollouts differ; returns how many do."""
+    old, new = out["old"], out["scatter_rows"]
+    differ = [k for k in new if old[k].view(np.uint8).tobytes() != new[k].view(np.uint8).tobytes()]
+    for k in differ:
+        print(f"  {k}: {int((old[k] != new[k]).sum())} of {old[k].size} elements differ")
+    print(f"engine rollouts: {len(differ)} of {len(new)} buffers differ between the two forms")
+    return len(differ)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deterministic", action="store_true", help="XLA's deterministic GPU ops")
@@ -102,7 +148,24 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=112)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument(
+        "--engine",
+        default=None,
+        metavar="PRESET",
+        help="instead: one engine rollout per form of a random PRESET model, compared bit for bit",
+    )
+    p.add_argument("--layers", type=int, default=2, help="with --engine: layers of the preset")
+    p.add_argument("--new", type=int, default=48, help="with --engine: tokens generated")
     args = p.parse_args(argv)
+    if args.engine:
+        print(
+            f"device {jax.devices()[0].device_kind}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+        )
+        return (
+            1
+            if compare_rollouts(engine_rollouts(args.engine, args.layers, args.batch, args.new))
+            else 0
+        )
     print(f"device {jax.devices()[0].device_kind}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     buffers = {  # the engine's buffers, by element type and trailing shape
         "tokens int32 [B, S]": ((), np.int32),

@@ -22,3 +22,13 @@ def test_both_forms_write_as_the_reference_and_a_faulty_one_is_caught():
 def test_the_script_passes_on_this_device(capsys):
     assert row_writes.main(["--batch", "16", "--slots", "24", "--prompt", "8", "--steps", "2"]) == 0
     assert capsys.readouterr().out.count("differing elements         0") == 8
+
+
+def test_engine_rollouts_compared_bit_for_bit(capsys):
+    same = {"tokens": np.arange(6).reshape(2, 3), "x.codes": np.ones((2, 3, 4), np.uint8)}
+    other = {**same, "x.codes": same["x.codes"].copy()}
+    other["x.codes"][1, 2, 3] = 7
+    assert row_writes.compare_rollouts({"old": same, "scatter_rows": same}) == 0
+    assert row_writes.compare_rollouts({"old": other, "scatter_rows": same}) == 1
+    out = capsys.readouterr().out
+    assert "x.codes: 1 of 24 elements differ" in out and "1 of 2 buffers differ" in out
