@@ -5,7 +5,9 @@ metrics files."""
 
 import json
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import yaml
 from flax import nnx
 
+from experiments import sweep as sweep_mod
 from experiments.__main__ import main
 from experiments.sweep import SWEEP_FILE, load_sweep
 from trace_jax.model import ModelConfig, Transformer, params_digest, restore_params
@@ -280,10 +283,6 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
     part (run here in this process, whose compiled programs the other tests share: the real
     processes' handling is the interrupt test's), and both cells start RL from the warm start's
     parameters."""
-    import subprocess
-
-    from experiments import sweep as sweep_mod
-
     commands = []
 
     def run_here(args, env, **kw):  # a process's command, run in this one
@@ -326,12 +325,6 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
 def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
     """Ctrl-C (or a time limit) in the parent of ``--jobs``: every running cell gets the SIGINT
     a run stops on (its files closed, its last checkpoint named), and is waited for."""
-    import subprocess
-    import sys
-    import time
-
-    from experiments import sweep as sweep_mod
-
     started, real_popen = [], subprocess.Popen
     monkeypatch.setattr(
         sweep_mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0)

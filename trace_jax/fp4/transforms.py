@@ -190,10 +190,8 @@ def take_rows(record: QTensor | Guidance, rows: jax.Array) -> QTensor | Guidance
     quantized one; a per-tensor global scale is kept as it is."""
     if record.axis == 0:
         raise ValueError(f"take_rows: axis 0 of shape {record.shape} is the quantized axis")
-    fields = [f.name for f in dataclasses.fields(record) if not f.metadata.get("static")]
-    arrays = {f: getattr(record, f) for f in fields}
-    arrays = {f: a if jnp.ndim(a) == 0 else a[rows] for f, a in arrays.items()}
-    return dataclasses.replace(record, **arrays, shape=(len(rows), *record.shape[1:]))
+    shape = (len(rows), *record.shape[1:])
+    return _map_arrays(record, lambda a: a if jnp.ndim(a) == 0 else a[rows], shape)
 
 
 def take_slots(record: QTensor | Guidance, width: int) -> QTensor | Guidance:
@@ -201,11 +199,14 @@ def take_slots(record: QTensor | Guidance, width: int) -> QTensor | Guidance:
     quantized along a later axis; a per-tensor global scale is kept as it is."""
     if record.axis <= 1:
         raise ValueError(f"take_slots: axis {record.axis} of shape {record.shape} is quantized")
-    fields = [f.name for f in dataclasses.fields(record) if not f.metadata.get("static")]
-    arrays = {f: getattr(record, f) for f in fields}
-    arrays = {f: a if jnp.ndim(a) < 2 else a[:, :width] for f, a in arrays.items()}
     shape = (record.shape[0], min(width, record.shape[1]), *record.shape[2:])
-    return dataclasses.replace(record, **arrays, shape=shape)
+    return _map_arrays(record, lambda a: a if jnp.ndim(a) < 2 else a[:, :width], shape)
+
+
+def _map_arrays(record: QTensor | Guidance, fn, shape: tuple[int, ...]):
+    """``record`` with ``fn`` applied to each of its arrays and the logical ``shape``."""
+    fields = [f.name for f in dataclasses.fields(record) if not f.metadata.get("static")]
+    return dataclasses.replace(record, **{f: fn(getattr(record, f)) for f in fields}, shape=shape)
 
 
 def _check_guidance(x: jax.Array, guidance: Guidance) -> None:

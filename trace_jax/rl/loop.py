@@ -716,7 +716,7 @@ class RLRun:
         state, m = self.trainer.rl_step(state, batch, self._key(step, 4), ref)
         all_rewards = self._gather(rewards)
         per_row = jnp.sum(batch.loss_mask, axis=1)
-        generated, longest = int(jnp.sum(per_row)), int(jnp.max(per_row))
+        generated, longest = map(int, jax.device_get((jnp.sum(per_row), jnp.max(per_row))))
         m.update(times)
         m.update(self._slowest({k: v for k, v in m.items() if k.endswith("_s")}))
         m.update(
