@@ -94,8 +94,13 @@ def compare(run_dirs: Sequence[str], out: str | None = None) -> int:
             raise ConfigError(f"compare: {d} is given twice")
         runs[d] = load_run(Path(d))
     path = Path(out) if out else Path(run_dirs[0]) / "compare.png"
-    runlog.plot_curves(
-        {d: recs for d, (_, recs, _) in runs.items()}, COMPARE_KEYS, path, title="runs compared"
+    runlog.plot_curves(  # by RL step: runs with and without a warm start of their own align
+        {d: recs for d, (_, recs, _) in runs.items()},
+        COMPARE_KEYS,
+        path,
+        title="runs compared",
+        points=lambda recs, key: list(rl_curve(recs, key).items()),
+        xlabel="RL steps done",
     )
     splits = sorted({s.get("eval_split", "eval") for _, _, s in runs.values()})
     held_out = "the held-out split" if splits == ["eval"] else f"the {'/'.join(splits)} split"

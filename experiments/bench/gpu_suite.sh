@@ -124,7 +124,7 @@ STEPS=(
   "rl-warm-start-map|540|for n in \${WS_MAP:-360 400 440 480}; do $RUN $MEDIUM steps=0 warm_start.steps=\$n checkpoint_every=0 --run-dir runs/ws-map-\$n > $OUT/ws-map-\$n.log 2>&1; echo \"warm_start.steps=\$n rc=\$? \$(grep -o '\"eval/reward\": [0-9.]*' runs/ws-map-\$n/metrics.jsonl | tail -1)\"; rm -rf runs/ws-map-\$n/policy; done"
   # the recipe from a shorter warm start of WS steps (more for RL to learn: after 200 steps the
   # policy solves ~4 % greedily, after 560 ~85 %)
-  "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-320} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-320}; $keep runs/learn-ws\${WS:-320}; $PHASES runs/learn-ws\${WS:-320}"
+  "rl-learn-medium-ws|565|$RUN $MEDIUM warm_start.steps=\${WS:-420} time_limit_min=\${RL_MIN:-9} checkpoint_every=0 \${RL_ARGS:-} --run-dir runs/learn-ws\${WS:-420}; $keep runs/learn-ws\${WS:-420}; $PHASES runs/learn-ws\${WS:-420}"
   # the rollout's row writes (tokens, log-probs, K/V, codes) against NumPy, with and without
   # XLA's deterministic ops, in the form before a851a84 and in scatter_rows (since it, the GPU's
   # mismatch at medium fell ~10x and TRACE's guided sites agree to ~1e-6)

@@ -155,13 +155,16 @@ def test_ctrl_c_resume_with_other_settings_and_the_summary(
     )
 
 
-def write_run(run_dir: Path, cfg: dict, rewards: list[float], evals: list[float]) -> None:
-    """A run directory by hand: config.yaml and metrics.jsonl of a warm-start step and RL steps."""
+def write_run(
+    run_dir: Path, cfg: dict, rewards: list[float], evals: list[float], warm: int = 1
+) -> None:
+    """A run directory by hand: config.yaml and metrics.jsonl of ``warm`` warm-start steps and
+    RL steps."""
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    records = [{"step": 0, "sft/loss": 1.0}]
+    records = [{"step": s, "sft/loss": 1.0} for s in range(warm)]
     for i, r in enumerate(rewards):
-        rec = {"step": i + 1, "reward": r, "mismatch/logp_abs": 0.01 * (i + 1)}
+        rec = {"step": warm + i, "reward": r, "mismatch/logp_abs": 0.01 * (i + 1)}
         if i == 0:
             rec["eval/reward_start"] = evals[0]
         if i == len(rewards) - 1:
@@ -170,7 +173,7 @@ def write_run(run_dir: Path, cfg: dict, rewards: list[float], evals: list[float]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_compare_keeps_every_run_and_aggregates_seeds(tmp_path, capsys):
+def test_compare_keeps_every_run_and_aggregates_seeds(tmp_path, capsys, monkeypatch):
     base = {"experiment": "fp4_trace", "seed": 0, "lr": 0.001, "eval_split": "eval"}
     runs = {
         "a0": ({**base, "seed": 0}, [0.0, 0.1, 0.2, 0.3, 0.4], [0.1, 0.5]),
@@ -178,10 +181,23 @@ def test_compare_keeps_every_run_and_aggregates_seeds(tmp_path, capsys):
         "a2": ({**base, "seed": 2}, [0.1, 0.1, 0.1, 0.1, 0.2], [0.0, 0.3]),
         "b0": ({**base, "lr": 0.003}, [0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0]),
     }
-    for name, (cfg, rewards, evals) in runs.items():
-        write_run(tmp_path / name, cfg, rewards, evals)
+    for name, (cfg, rewards, evals) in runs.items():  # a2 with a longer warm start of its own
+        write_run(tmp_path / name, cfg, rewards, evals, warm=4 if name == "a2" else 1)
     dirs = [str(tmp_path / n) for n in runs]
+    plotted = {}
+
+    def plot(runs, keys, path, **kw):
+        plotted.update({(d, k): kw["points"](recs, k) for d, recs in runs.items() for k in keys})
+        return real_plot(runs, keys, path, **kw)
+
+    real_plot = runlog.plot_curves
+    monkeypatch.setattr(runlog, "plot_curves", plot)
     assert main(["compare", *dirs, "--out", str(tmp_path / "cmp.png")]) == 0
+    # curves by RL steps done: the evaluation before RL at 0, whatever the warm start's length
+    a0, a2 = dirs[0], dirs[2]
+    assert plotted[a0, "eval/reward"] == [(0, 0.1), (5, 0.5)]
+    assert plotted[a2, "eval/reward"] == [(0, 0.0), (5, 0.3)]
+    assert [x for x, _ in plotted[a2, "reward"]] == [1, 2, 3, 4, 5]
     out = capsys.readouterr().out
     assert "eval = greedy reward on the held-out split" in out
     assert "train = reward of the sampled rollouts" in out

@@ -250,6 +250,16 @@ def test_an_fp4_run_evaluates_in_bf16_as_the_bf16_reference_does(tmp_path):
     assert first["trace"]["eval/reward_bf16_start"] == want
     summary = runlog.summarize(runlog.read_metrics(tmp_path / "trace" / "metrics.jsonl"))
     assert summary["eval/reward_bf16_start"] == want and "eval/reward_bf16_end" in summary
+    # The reference with its own warm start samples and trains as the one started from that warm
+    # start's policy: RL's keys count from the first RL step.
+    own = small(steps=1, eval_bf16=True, train_mode="bf16", rollout="bf16", eval_problems=0)
+    loop.RLRun(own, tmp_path / "own", **quiet).run()
+    from_policy = dataclasses.replace(ref.cfg, eval_problems=0)
+    loop.RLRun(from_policy, tmp_path / "from_policy", **quiet).run()
+    rl = lambda run: [json.loads(r) for r in records(tmp_path / run)][-1]  # noqa: E731
+    mine, theirs = rl("own"), rl("from_policy")
+    assert mine.pop("step") == 1 and theirs.pop("step") == 0
+    assert mine == theirs
 
 
 def test_guidance_under_a_corrupted_version_tag_is_refused(tmp_path, monkeypatch):

@@ -557,7 +557,13 @@ class RLRun:
     # ------------------------------------------------------------------ pieces
 
     def _key(self, step: int, what: int) -> jax.Array:
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), step), what)
+        """The key of ``what`` at the run's ``step``. RL steps count from the first RL step, so
+        that a run with its own warm start and one started from that warm start's policy
+        (``init_checkpoint``) sample alike, step for step; warm-start steps have keys of their
+        own."""
+        rl = step - self.cfg.warm_start.steps
+        index, what = (rl, what) if rl >= 0 else (step, what + 16)
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), index), what)
 
     def rollout(self, engine: RolloutEngine, problems: list, key: jax.Array, times=None):
         """Generate for ``problems`` (this process's rows of the batch; one sequence each),

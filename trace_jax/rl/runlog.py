@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +135,15 @@ def curve_points(records: Sequence[dict], key: str) -> list[tuple[int, float]]:
 
 
 def plot_curves(
-    runs: Mapping[str, Sequence[dict]], keys: Sequence[str], path: Path, title: str = ""
+    runs: Mapping[str, Sequence[dict]],
+    keys: Sequence[str],
+    path: Path,
+    title: str = "",
+    points: Callable[[Sequence[dict], str], list[tuple[int, float]]] = curve_points,
+    xlabel: str = "step",
 ) -> Path:
-    """One panel per metric key, one line per run (label -> its metric records)."""
+    """One panel per metric key, one line per run (label -> its metric records); ``points``
+    gives a run's (x, value) of a key."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,11 +157,11 @@ def plot_curves(
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         for label, recs in runs.items():
-            pts = curve_points(recs, key)
+            pts = points(recs, key)
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=label, marker="." if len(pts) < 30 else None)
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         if key.startswith("mismatch/"):
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(keys) :]:
