@@ -182,7 +182,7 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
         if cell["state"] == "done":
             _, records, summary = load_run(sweep_dir / name)
             results = json.loads((sweep_dir / name / "results.json").read_text())
-            # post-hoc quantization (ptq_eval): greedy eval reward per policy
+            # post-hoc quantization (ptq_scale_rules): greedy eval reward per policy
             for policy, reward in (results.get("ptq_eval_reward") or {}).items():
                 summary[f"ptq/{policy}"] = float(reward)
             cell.update(records=records, summary=summary, start=results.get("start_policy_sha256"))

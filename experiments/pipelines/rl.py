@@ -7,12 +7,13 @@
 | ``fp4_qat`` | FP4 | RTN fake quant at every site (vanilla QAT) |
 | ``fp4_trace`` | FP4, guidance recorded in the deeper half | TRACE: guided there, RTN elsewhere |
 | ``fp4_trace_all`` | FP4, guidance everywhere | guided everywhere |
-| ``ptq_eval`` | BF16 | BF16, then the policy is quantized post hoc (RTN, 4/6) and evaluated |
 | ``quickstart`` | as ``fp4_trace``, sized for a CPU, with a final QAT-vs-TRACE mismatch table |
 
-Every one runs any task (``task.name``) and writes ``metrics.jsonl``, TensorBoard events,
-orbax checkpoints and ``curves.png`` to its run directory; a killed run resumes where its last
-checkpoint left off when started again with the same ``--run-dir``.
+``bf16_rollout`` with ``ptq_scale_rules`` also evaluates its final policy quantized post hoc
+(RTN, 4/6: ``configs/<task>/ptq_eval.yaml``). Every one runs any task (``task.name``) and
+writes ``metrics.jsonl``, TensorBoard events, orbax checkpoints and ``curves.png`` to its run
+directory; a killed run resumes where its last checkpoint left off when started again with the
+same ``--run-dir``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 from typing import Literal
-
-import numpy as np
 
 from experiments.registry import register
 from trace_jax.model import QuantPolicy
@@ -139,52 +138,3 @@ def quickstart(cfg: QuickstartConfig, run_dir: Path) -> dict:
     print("-" * 72)
     print(f"plots: {run_dir / 'curves.png'}; metrics: {run_dir / 'metrics.jsonl'}")
     return {**results, "mismatch": comparison}
-
-
-# ----------------------------------------------------------------------------- PTQ
-
-
-@dataclasses.dataclass(frozen=True)
-class PTQEvalConfig(RLConfig):
-    """Train with BF16 rollout and trainer, then quantize the policy post hoc and evaluate.
-
-    ptq_scale_rules: the FP4 weight block-scale rules to evaluate ("max6": RTN; "four_over_six").
-    """
-
-    train_mode: TrainMode = "bf16"
-    rollout: Literal["bf16", "fp4"] = "bf16"
-    ptq_scale_rules: tuple[Literal["max6", "four_over_six"], ...] = ("max6", "four_over_six")
-
-
-@register("ptq_eval", PTQEvalConfig, "BF16 RL, then post-hoc FP4 quantization (RTN, 4/6) evaluated")
-def ptq_eval(cfg: PTQEvalConfig, run_dir: Path) -> dict:
-    run = RLRun(cfg, run_dir)
-    results = run.run()
-    rewards = ptq_rewards(run, run.final_state.params, step=10**6)
-    split = cfg.eval_split
-    print(f"\npost-hoc quantization of the BF16-trained policy (greedy reward, {split} split)")
-    for k, v in rewards.items():
-        print(f"  {k:28s} {v:.3f}")
-    return {**results, "ptq_eval_reward": rewards}
-
-
-def ptq_rewards(run: RLRun, params, step: int) -> dict[str, float]:
-    """Greedy mean reward of the BF16 policy and of its post-hoc FP4 quantizations (one per
-    ``ptq_scale_rules`` entry), all on the same ``eval_problems`` of ``eval_split`` with the
-    same key."""
-    cfg = run.cfg
-    model = run.trainer.model(params)
-    problems = [run.io.problem(cfg.eval_split, i) for i in range(cfg.eval_problems)]
-    run.eval_engine.update_params(model, version=step)
-    engines = {"bf16": run.eval_engine}
-    for rule in cfg.ptq_scale_rules:
-        engines[f"fp4 ptq ({rule})"] = RolloutEngine(
-            model,
-            QuantPolicy.qat(cfg.fmt, weight_scale_rule=rule),
-            dataclasses.replace(run.eval_engine.cfg, kv_cache=cfg.fmt, fp4_weights=True),
-        )
-    rewards = {}
-    for name, engine in engines.items():
-        _, r = run.io.rollout(engine, problems, run._key(step, 2), cfg.max_turns)
-        rewards[name] = float(np.mean(r))
-    return rewards

@@ -101,7 +101,8 @@ def test_bench_scripts_print_their_tables(capsys):
 
 @pytest.mark.slow
 def test_a_multi_turn_rl_run_and_its_comparison(tmp_path, capsys):
-    # the ptq_eval experiment: tests/experiments/test_hf_run.py, at the shapes of its other run
+    # post-hoc quantization (ptq_scale_rules): tests/experiments/test_hf_run.py, at the shapes
+    # of its other run
     config, extra = LONG_HORIZON
     run_dir = tmp_path / "run"
     assert main(["run", config, *extra, "--run-dir", str(run_dir)]) == 0

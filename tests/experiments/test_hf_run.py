@@ -1,8 +1,8 @@
 """``hf_checkpoint=`` through the entry point: a tiny Qwen3-MoE checkpoint with its own trained
 tokenizer and chat template runs RL with its prompts rendered in the template and its special
-tokens, and its trained policy exports as NVFP4 with that tokenizer and loads back; the
-``ptq_eval`` experiment evaluates such a policy quantized post hoc; a tokenizer that does not fit
-the checkpoint is one line naming the file, exit code 2."""
+tokens, and its trained policy exports as NVFP4 with that tokenizer and loads back; the BF16
+reference with ``ptq_scale_rules`` evaluates such a policy quantized post hoc; a tokenizer that
+does not fit the checkpoint is one line naming the file, exit code 2."""
 
 import json
 import shutil
@@ -98,31 +98,30 @@ def test_rl_from_a_checkpoint_prompts_it_in_its_chat_template(
 
 
 @pytest.mark.slow
-def test_ptq_eval_of_the_policy_trained_from_a_checkpoint(
+def test_post_hoc_quantization_of_the_policy_trained_from_a_checkpoint(
     checkpoint, tmp_path, monkeypatch, small_yaml
 ):
     """BF16 RL (the programs of the run above: the same checkpoint and shapes), then its policy
     quantized post hoc and evaluated on ``eval_split`` (here the training problems): the splits
-    of the problems built after RL ended are recorded."""
+    of the problems built for it are recorded."""
     from trace_jax.rl import loop
 
     folder, _ = checkpoint
-    splits, real_problem, real_run = [], TaskIO.problem, loop.RLRun.run
+    splits, real_problem, real_post_hoc = [], TaskIO.problem, loop.RLRun.post_hoc_rewards
 
     def problem(self, split, index):
         splits.append(split)
         return real_problem(self, split, index)
 
-    def run_then_record(self):
-        out = real_run(self)
+    def record_from_here(self, params):
         splits.clear()
-        return out
+        return real_post_hoc(self, params)
 
     monkeypatch.setattr(TaskIO, "problem", problem)
-    monkeypatch.setattr(loop.RLRun, "run", run_then_record)
+    monkeypatch.setattr(loop.RLRun, "post_hoc_rewards", record_from_here)
     run_dir = tmp_path / "run"
     config = small_yaml(
-        experiment="ptq_eval",
+        experiment="bf16_rollout",
         warm_start={"steps": 0},
         ptq_scale_rules=["four_over_six"],
         eval_split="train",
@@ -133,6 +132,8 @@ def test_ptq_eval_of_the_policy_trained_from_a_checkpoint(
     assert (run_dir / "curves.png").stat().st_size > 0
     results = json.loads((run_dir / "results.json").read_text())
     assert set(results["ptq_eval_reward"]) == {"bf16", "fp4 ptq (four_over_six)"}
+    # the BF16 policy's greedy reward again, on the problems of the last evaluation
+    assert results["ptq_eval_reward"]["bf16"] == results["last"]["eval/reward"]
     assert splits and set(splits) == {"train"}
     assert results["summary"]["rl_steps"] == 2
 

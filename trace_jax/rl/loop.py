@@ -186,6 +186,11 @@ class RLConfig:
     eval_bf16: also evaluate with BF16 weights, activations and KV cache, as the BF16-rollout
       reference evaluates (``eval/reward_bf16``; an FP4-rollout run compiles one more engine,
       a BF16 one logs its ``eval/reward``): every mode's policy measured the same way.
+    ptq_scale_rules: for a BF16-rollout run (``rollout: bf16``; others evaluate in FP4 already),
+      after its last RL step the greedy reward of its policy quantized post hoc with each
+      weight scale rule ("max6": RTN; "four_over_six"), evaluated by the FP4 modes' evaluation
+      engine on the problems of ``eval/reward``: ``ptq_eval_reward`` in the results, with the
+      BF16 reward as ``bf16``.
     checkpoint_every: checkpoint every this many steps (and at the end); 0: never (a benchmark's
       run, which a kill loses; a warm start still writes its ``policy/``).
     deterministic: XLA's deterministic GPU ops (``--xla_gpu_deterministic_ops``, set by the
@@ -250,6 +255,7 @@ class RLConfig:
     eval_problems: int = 64
     eval_split: Literal["eval", "train"] = "eval"
     eval_bf16: bool = False
+    ptq_scale_rules: tuple[Literal["max6", "four_over_six"], ...] = ()
     checkpoint_every: int = 10
     time_limit_min: float = 0.0
     deterministic: bool = False
@@ -352,7 +358,12 @@ def eval_policy(cfg: RLConfig) -> QuantPolicy:
     reads them), so that every FP4 mode evaluates with one program, the naive FP4 rollout's."""
     if cfg.rollout == "bf16":
         return QuantPolicy.bf16()
-    return QuantPolicy.rollout(cfg.fmt, guided_layers="none")
+    return fp4_eval_policy(cfg.fmt)
+
+
+def fp4_eval_policy(fmt: str, **kw) -> QuantPolicy:
+    """The FP4 modes' evaluation (``QuantPolicy`` fields in ``kw``, e.g. a weight scale rule)."""
+    return QuantPolicy.rollout(fmt, guided_layers="none", **kw)
 
 
 def train_policy(cfg: RLConfig) -> QuantPolicy:
@@ -893,12 +904,33 @@ class RLRun:
         records = runlog.read_metrics(self.run_dir / "metrics.jsonl")
         if cfg.plot and records and self.primary:
             runlog.plot_curves({cfg.train_mode: records}, PLOT_KEYS, self.run_dir / "curves.png")
-        return {
+        results = {
             "last": last,
             "records": len(records),
             "complete": done == total,
             "start_policy_sha256": self.start_digest,
         }
+        if cfg.ptq_scale_rules and cfg.rollout == "bf16" and cfg.steps and done == total:
+            results["ptq_eval_reward"] = self.post_hoc_rewards(state.params)
+        return results
+
+    def post_hoc_rewards(self, params) -> dict[str, float]:
+        """Greedy reward of the BF16 policy ``params`` (``bf16``) and of it quantized post hoc
+        with each of ``ptq_scale_rules`` (``fp4 ptq (<rule>)``): FP4 expert weights and
+        activations and an FP4 KV cache, as the FP4 modes' evaluation rolls out; all on the
+        ``eval_problems`` of ``eval/reward`` with one key."""
+        cfg = self.cfg
+        step = cfg.warm_start.steps + cfg.steps  # keys of their own, after the run's last step
+        rewards = {"bf16": self._greedy_reward(self.eval_engine, params, step)}
+        fp4_cfg = dataclasses.replace(self.eval_engine.cfg, kv_cache=cfg.fmt, fp4_weights=True)
+        for rule in cfg.ptq_scale_rules:
+            policy = fp4_eval_policy(cfg.fmt, weight_scale_rule=rule)
+            engine = RolloutEngine(self.trainer.model(params), policy, fp4_cfg, greedy=True)
+            rewards[f"fp4 ptq ({rule})"] = self._greedy_reward(engine, params, step)
+        self.log(f"post-hoc quantization of the policy (greedy reward, {cfg.eval_split} split)")
+        for name, reward in rewards.items():
+            self.log(f"  {name:28s} {reward:.3f}")
+        return rewards
 
 
 # trim_padding's widths: multiples of this many slots (few compiled widths, little padding)
