@@ -46,7 +46,13 @@ def sweep_command(args: argparse.Namespace) -> int:
 
     sweep = load_sweep(args.sweep, args.overrides)
     return run_sweep(
-        sweep, args.only, args.dry_run, args.allow_config_change, args.warm_start_only, args.jobs
+        sweep,
+        args.only,
+        args.dry_run,
+        args.allow_config_change,
+        args.warm_start_only,
+        args.jobs,
+        args.budget_min,
     )
 
 
@@ -74,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
     sweep_p.add_argument("--dry-run", action="store_true", help="list the cells and their state")
     sweep_p.add_argument(
         "--jobs", type=int, default=1, help="cells at once, each in its own process (one GPU)"
+    )
+    sweep_p.add_argument(
+        "--budget-min",
+        type=float,
+        default=0.0,
+        help="minutes for the whole sweep: cells end by then, checkpointed (0: no bound)",
     )
     sweep_p.add_argument(
         "--warm-start-only", action="store_true", help="run only the shared warm start"

@@ -29,6 +29,11 @@ a machine (the GPU calls) it is run again on the next start, and a finished cell
 ``start_policy_sha256`` differs from the warm start's stops the sweep in one line: only a
 ``deterministic: true`` warm start on the same kind of GPU repeats the same parameters.
 
+``--budget-min M`` bounds the whole sweep's wall clock (a GPU call's): each cell runs with
+``time_limit_min`` at most the minutes left, so the cell under way when the budget ends stops
+evaluated and checkpointed (the same command continues it where its folder survives), and no
+cell starts with less than ``MIN_CELL_MIN`` minutes left.
+
 ``--jobs N`` runs up to N cells at once, each in its own process (``python -m experiments sweep
 <file> --only <cell>``, its output in ``<sweep_dir>/logs/<cell>.log``) with a share of the GPU's
 memory (``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.9 / N unless set), after the warm start's own
@@ -73,6 +78,8 @@ PRUNED = ("checkpoints", "policy", "guidance_spill")
 # Grid keys that would change the warm start every cell shares.
 SHARED = ("model", "model_overrides", "hf_checkpoint", "task", "warm_start", "init_checkpoint")
 CellState = Literal["done", "partial", "failed", "todo"]
+# --budget-min: no cell starts with fewer minutes left (its programs' compilation alone)
+MIN_CELL_MIN = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,14 +256,21 @@ def run_sweep(
     allow_change: bool = False,
     warm_start_only: bool = False,
     jobs: int = 1,
+    budget_min: float = 0.0,
 ) -> int:
     """Run (or with ``dry_run`` list) the warm start and the cells matching ``only`` (a glob on
     cell names; none with ``warm_start_only``), ``jobs`` cells at a time (above 1: each in its
-    own process, ``run_parallel``). Returns 0, or 1 when a cell failed."""
+    own process, ``run_parallel``), within ``budget_min`` minutes (0: no bound). Returns 0, or
+    1 when a cell failed."""
     from experiments.runner import execute
 
+    started = time.monotonic()
     if jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
+    if budget_min < 0 or (budget_min and jobs > 1):
+        raise ConfigError(
+            f"--budget-min: a positive number of minutes with --jobs 1, got {budget_min}"
+        )
     cells = [c for c in sweep.cells if only is None or fnmatch.fnmatchcase(c.name, only)]
     if not cells:
         raise ConfigError(
@@ -298,10 +312,18 @@ def run_sweep(
         if finished(run_dir, cell):
             print(f"=== {run_dir}: done, skipped")
             continue
+        cfg = cell.cfg
+        if budget_min:
+            left = budget_min - (time.monotonic() - started) / 60
+            if left < MIN_CELL_MIN:
+                print(f"--budget-min {budget_min:g}: {left:.1f} min left, no cell started")
+                break
+            if not cfg.time_limit_min or cfg.time_limit_min > left:
+                cfg = dataclasses.replace(cfg, time_limit_min=left)
         print(f"\n=== {run_dir} ({i + 1}/{len(cells)}, {state})")
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         try:
-            execute(cell.exp, cell.cfg, run_dir, allow_change)
+            execute(cell.exp, cfg, run_dir, allow_change)
         except ConfigError as e:  # every cell would fail alike: stop
             raise ConfigError(f"{cell.name}: {e}") from None
         except Exception:  # a crash or a damaged checkpoint: recorded, and the sweep goes on

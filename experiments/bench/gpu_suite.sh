@@ -16,7 +16,7 @@ RUN="$PY -m experiments run"
 MEDIUM=configs/reasoning/medium.yaml
 PHASES="$PY $BENCH/rl_phases.py"
 # The suite's own helpers are lower case: the knobs a caller sets (WS, WS_MAP, RL_MIN, RL_ARGS,
-# SWEEP, ONLY, JOBS, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
+# SWEEP, ONLY, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
 # a run's records (metrics, results, curves; not its parameters) into $OUT/<run>.tgz
 keep="keep() { tar czf $OUT/\$(basename \$1).tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill \$1; }; keep"
 # the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it
@@ -153,10 +153,12 @@ STEPS=(
   "rl-modes-qat-trace|565|$modes_of fp4_qat fp4_trace"
   "rl-modes-all-naive|565|$modes_of fp4_trace_all fp4_rollout_bf16_train"
   # a study's cells (issue 28): SWEEP (default the modes' sweep), ONLY (a glob of its cells),
-  # JOBS cells at once, each process stopped after RL_MIN minutes; the sweep's records (no
+  # one after another within RL_MIN minutes (`sweep --budget-min`: the cell under way then stops
+  # checkpointed, and the next call continues it while the machine is warm; two cells at once
+  # made each twice as slow on an H200, RESULTS.md 2026-12-07); the sweep's records (no
   # parameters) come back in $OUT/study.tgz: untar them here, `python -m experiments archive
   # runs/sweeps/<name> docs/results/sweeps/<name>` (cells of every call merged), then `report`
-  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --jobs \${JOBS:-1} time_limit_min=\${RL_MIN:-9} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps"
+  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --budget-min \${RL_MIN:-9} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps"
   # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
   # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an

@@ -361,3 +361,29 @@ def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, sm
     assert [p.returncode for p in procs] == [-2] * 3  # each ended by the SIGINT it got
     for cell in CELLS[:3]:
         assert (tmp_path / "sweep" / "logs" / f"{cell}.log").is_file()
+
+
+def test_a_budget_ends_the_sweep_in_time(tmp_path, monkeypatch, capsys, small_yaml):
+    """``--budget-min``: each cell runs with the minutes left as its time limit (or its own,
+    where smaller), and none starts with less than ``MIN_CELL_MIN`` left. The runs here are
+    stand-ins that take 4 minutes of a fake clock each."""
+    from experiments import runner
+
+    clock, limits = [0.0], []
+
+    def execute(exp, cfg, run_dir, allow_change):
+        limits.append((Path(run_dir).name, round(cfg.time_limit_min, 6)))
+        clock[0] += 4 * 60
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(sweep_mod.time, "monotonic", lambda: clock[0])
+    spec = sweep_file(tmp_path, small_yaml(time_limit_min=7.0))
+    assert main(["sweep", spec, "--budget-min", "14"]) == 0
+    assert limits == [
+        ("warm_start", 7.0),  # the warm start runs as configured; its minutes count
+        (CELLS[0], 7.0),  # 10 left: the cell's own limit is smaller
+        (CELLS[1], 6.0),  # 6 left
+        (CELLS[2], 2.0),  # 2 left; after it none
+    ]
+    assert "--budget-min 14: -2.0 min left, no cell started" in capsys.readouterr().out
+    assert main(["sweep", spec, "--budget-min", "5", "--jobs", "2"]) == 2
