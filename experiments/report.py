@@ -283,8 +283,9 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         "",
     ]
     cols = [(k, label) for k, label in TABLE_COLUMNS if any(k in a for a in agg.values())]
-    ptq = sorted({k for a in agg.values() for k in a if k.startswith("ptq/")})
-    cols += [(k, f"eval reward, {k[4:]} (post hoc)") for k in ptq]
+    # post-hoc quantizations of the final policy (``ptq/bf16`` is the last evaluation again)
+    ptq = sorted({k for a in agg.values() for k in a if k.startswith("ptq/fp4 ptq")})
+    cols += [(k, f"eval reward, post-hoc FP4 {k.removeprefix('ptq/fp4 ptq ')}") for k in ptq]
     lines.append("| mode | n | collapsed | " + " | ".join(label for _, label in cols) + " |")
     lines.append("| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |")
     for mode, a in agg.items():

@@ -190,8 +190,16 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     results.write_text(
         json.dumps({**json.loads(results.read_text()), "start_policy_sha256": "f" * 64})
     )
+    for cell, reward in zip(CELLS[:2], (0.75, 0.25), strict=True):  # a reference's PTQ rewards
+        results = sweep_dir / cell / "results.json"
+        ptq = {"bf16": 0.5, "fp4 ptq (max6)": reward}
+        results.write_text(json.dumps({**json.loads(results.read_text()), "ptq_eval_reward": ptq}))
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r2")]) == 0
     flagged = (tmp_path / "r2" / "report.md").read_text()
+    header = next(line for line in flagged.splitlines() if line.startswith("| mode | n |"))
+    assert header.endswith("| eval reward, post-hoc FP4 (max6) |") and "bf16 (post" not in header
+    row = next(line for line in flagged.splitlines() if line.startswith("| fp4_trace | 2 |"))
+    assert row.endswith(f"| 0.5 ± {np.std([0.75, 0.25], ddof=1):.2g} |")
     assert "**Not every cell started RL from the warm start's parameters**" in flagged
     assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
     # ... and the sweep, started again, stops before it runs anything else
