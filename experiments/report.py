@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,12 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
             # post-hoc quantization (ptq_scale_rules): greedy eval reward per policy
             for policy, reward in (results.get("ptq_eval_reward") or {}).items():
                 summary[f"ptq/{policy}"] = float(reward)
-            cell.update(records=records, summary=summary, start=results.get("start_policy_sha256"))
+            cell.update(
+                records=records,
+                summary=summary,
+                start=results.get("start_policy_sha256"),
+                provenance=results.get("provenance") or [],
+            )
             modes.setdefault(cell["mode"], []).append(name)
         cells[name] = cell
     ws = Path(sweep.get("warm_start_dir") or sweep_dir / "warm_start") / "results.json"
@@ -271,7 +277,7 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         f"# Sweep `{sweep_dir}`",
         "",
         f"Base `{sweep.get('base')}` with overrides `{' '.join(sweep.get('overrides') or [])}`; "
-        f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)}",
+        f"grid `{json.dumps(sweep.get('grid'))}`. {starts(data)} {origins(data)}",
         "",
         "Mean ± sample sd over the n finished seeds; collapsed: the seeds whose sampled reward "
         f"is 0 at each of their last {COLLAPSE_STEPS} RL steps (counted in the means). Eval "
@@ -329,6 +335,45 @@ def starts(data: Mapping) -> str:
         + ", ".join(f"`{n}` (`{(done[n] or 'unknown')[:16]}`)" for n in other)
         + "."
     )
+
+
+def origins(data: Mapping) -> str:
+    """The commits and devices the finished cells' steps ran on (their ``provenance``), in
+    bold where they are several: results of other code, or timings of other GPUs, side by
+    side."""
+    lines = [
+        p
+        for c in data["cells"].values()
+        if c["state"] == "done"
+        for p in c.get("provenance") or [{}]  # records from before provenance: unknown
+    ]
+    if not any(lines):
+        return (
+            "Where the cells ran was not recorded (no `provenance` in their results)."
+            if lines
+            else ""
+        )
+    commits = Counter(_commit(p) for p in lines)
+    devices = Counter(p.get("device", "unknown") for p in lines)
+    listed = lambda d: ", ".join(f"{k} ({n})" for k, n in sorted(d.items()))  # noqa: E731
+    code = (
+        f"Every finished cell ran at commit {next(iter(commits))}"
+        if len(commits) == 1
+        else f"**The finished cells ran at several commits**: {listed(commits)}"
+    )
+    where = (
+        f"on {next(iter(devices))}"
+        if len(devices) == 1
+        else f"**on several kinds of device** (timings not comparable): {listed(devices)}"
+    )
+    return f"{code}, {where} (processes counted)."
+
+
+def _commit(p: Mapping[str, Any]) -> str:
+    """A provenance line's commit as shown: short hash, ``+dirty`` for changed tracked files."""
+    if not p.get("commit"):
+        return "unknown"
+    return f"`{p['commit'][:7]}`" + (" +dirty" if p.get("dirty") else "")
 
 
 def _cell(stat: Mapping[str, float] | None) -> str:

@@ -171,14 +171,18 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
         first = runlog.record_config(run_dir, resolved)
         if diff:
             print(f"continuing {run_dir} from step {first} with {format_diff(diff)}")
+    if primary:
+        runlog.record_provenance(run_dir)
     try:
         with _quiet_orphaned_callbacks():
             results = exp.run(cfg, run_dir)
     except KeyboardInterrupt:
         raise Interrupted(_interrupted(run_dir)) from None
     except USER_ERRORS:
-        if primary and not existed and [p.name for p in run_dir.iterdir()] == [runlog.CONFIG]:
-            (run_dir / runlog.CONFIG).unlink()  # refused before any work: leave nothing behind
+        records = {runlog.CONFIG, runlog.PROVENANCE}
+        if primary and not existed and {p.name for p in run_dir.iterdir()} <= records:
+            for name in records:  # refused before any work: leave nothing behind
+                (run_dir / name).unlink(missing_ok=True)
             run_dir.rmdir()
         raise
     if not primary:
@@ -188,6 +192,7 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
         summary = runlog.summarize(runlog.read_metrics(metrics), getattr(cfg, "eval_split", "eval"))
         print(f"\n{'=' * 30} run summary {'=' * 30}\n{runlog.format_summary(summary)}")
         results = {**results, "summary": summary}
+    results = {**results, "provenance": runlog.read_provenance(run_dir)}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results
 

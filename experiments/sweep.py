@@ -404,7 +404,7 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
 
 
 # What ``archive`` keeps of each run: its settings, results, error and metrics (gzipped).
-ARCHIVED = ("config*.yaml", "results.json", ERROR_FILE)
+ARCHIVED = ("config*.yaml", "results.json", runlog.PROVENANCE, ERROR_FILE)
 
 
 def archive(sweep_dir: str | Path, dest: str | Path) -> int:

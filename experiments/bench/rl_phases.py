@@ -1,6 +1,7 @@
 """Per-phase seconds of RL runs from their ``metrics.jsonl``: the median over the RL steps after
 the first (which compiles), one row per run, and reward / eval reward / mismatch at the end;
-before the table, each run's greedy evaluations by RL step; after it, each TRACE run's median step
+before the table, the device and commit of each run's processes and its greedy evaluations by
+RL step; after it, each TRACE run's median step
 time against each vanilla QAT run's.
 
     python experiments/bench/rl_phases.py runs/medium-bf16 runs/medium-trace ...
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+")
     args = parser.parse_args(argv)
-    for d in args.run_dirs:  # the learning curves first: the table ends the output
+    for d in args.run_dirs:  # where each ran and its learning curves first: the table last
+        for p in runlog.read_provenance(d):
+            commit = (p["commit"] or "unknown")[:7] + (" +dirty" if p["dirty"] else "")
+            print(f"{Path(d).name} from step {p['first_step']}: {p['device']}, commit {commit}")
         for key in ("eval/reward", "eval/reward_bf16"):
             curve = eval_curve(Path(d), key)
             if curve:

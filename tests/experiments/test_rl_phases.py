@@ -6,7 +6,7 @@ import json
 from experiments.bench import rl_phases
 
 
-def test_medians_skip_each_parts_first_step(tmp_path):
+def test_medians_skip_each_parts_first_step(tmp_path, capsys):
     records = [{"step": 0, "sft/loss": 5.0, "sft/step_s": 30.0}]
     records += [{"step": i, "sft/loss": 4.0, "sft/step_s": s} for i, s in ((1, 0.3), (2, 0.5))]
     records += [
@@ -28,6 +28,12 @@ def test_medians_skip_each_parts_first_step(tmp_path):
     assert row[rl_phases.OUTSIDE_DECODE] == 1.75  # median of 2 - 1 and 4 - 1.5
     assert rl_phases.eval_curve(tmp_path) == [(0, 0.25), (2, 0.3)]
     assert rl_phases.eval_curve(tmp_path, "eval/reward_bf16") == []
+    # each process's device and commit, from the run's provenance
+    line = {"first_step": 2, "commit": "0123456789", "dirty": True, "device": "Some GPU"}
+    (tmp_path / "provenance.jsonl").write_text(json.dumps(line) + "\n")
+    assert rl_phases.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path.name} from step 2: Some GPU, commit 0123456 +dirty" in out
 
 
 def test_trace_step_time_against_qat(tmp_path):

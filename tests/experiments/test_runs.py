@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -127,6 +128,13 @@ def test_ctrl_c_resume_with_other_settings_and_the_summary(
     assert len(list(run_dir.glob("config*.yaml"))) == 2
     records = runlog.read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    # Each process that ran steps is on record: from which step, the code, the device.
+    origin = json.loads((run_dir / "results.json").read_text())["provenance"]
+    assert origin == runlog.read_provenance(run_dir)
+    assert [p["first_step"] for p in origin] == [0, 2]  # the refused start wrote nothing
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert origin[-1]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert origin[-1]["device"] == jax.devices()[0].device_kind
 
     # The summary in results.json is a hand computation over metrics.jsonl.
     rl = records[1:]  # step 0 is the warm start
@@ -270,7 +278,8 @@ def run(cfg, run_dir):
 started = []
 flags = runner.deterministic_flags
 runner.deterministic_flags = lambda f, s, b: started.append(s) or flags(f, s, b)
-print(runner.execute(Experiment("probe", Cfg, run, ""), Cfg(), Path(sys.argv[1])))
+results = runner.execute(Experiment("probe", Cfg, run, ""), Cfg(), Path(sys.argv[1]))
+print({"started_before_flags": results["started_before_flags"]})
 """
 
 

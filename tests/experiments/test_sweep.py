@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +195,11 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         results = sweep_dir / cell / "results.json"
         ptq = {"bf16": 0.5, "fp4 ptq (max6)": reward}
         results.write_text(json.dumps({**json.loads(results.read_text()), "ptq_eval_reward": ptq}))
+    # ... and one that ran at another commit, on another device
+    (origin,) = json.loads(results.read_text())["provenance"]
+    assert "ran at commit" in table  # the sweep's own cells: one commit, one device
+    other = {**origin, "commit": "0123456789abcdef", "dirty": True, "device": "Other GPU"}
+    results.write_text(json.dumps({**json.loads(results.read_text()), "provenance": [other]}))
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r2")]) == 0
     flagged = (tmp_path / "r2" / "report.md").read_text()
     header = next(line for line in flagged.splitlines() if line.startswith("| mode | n |"))
@@ -202,6 +208,14 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     assert row.endswith(f"| 0.5 ± {np.std([0.75, 0.25], ddof=1):.2g} |")
     assert "**Not every cell started RL from the warm start's parameters**" in flagged
     assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
+    assert (
+        "**The finished cells ran at several commits**" in flagged
+        and "`0123456` +dirty (1)" in flagged
+    )
+    assert (
+        "**on several kinds of device** (timings not comparable): "
+        f"Other GPU (1), {origin['device']} (4)" in flagged  # processes: a resumed cell has two
+    )
     # ... and the sweep, started again, stops before it runs anything else
     assert main(["sweep", path]) == 2
     err = one_line(capsys.readouterr().err)
@@ -282,6 +296,13 @@ def test_a_run_ended_by_its_time_limit_is_a_partial_cell(tmp_path):
     assert cell_state(tmp_path) == "done"
 
 
+def sweep_subprocess(**fakes) -> types.SimpleNamespace:
+    """The ``subprocess`` the sweep module sees, with ``fakes`` (the rest of the process keeps
+    the real one: a run's provenance asks git)."""
+    names = ("run", "Popen", "STDOUT", "TimeoutExpired", "CompletedProcess")
+    return types.SimpleNamespace(**{n: getattr(subprocess, n) for n in names} | fakes)
+
+
 @pytest.mark.slow
 def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
     tmp_path, capsys, monkeypatch, small_yaml
@@ -307,8 +328,7 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
             return self.returncode
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setattr(sweep_mod.subprocess, "run", run_here)
-    monkeypatch.setattr(sweep_mod.subprocess, "Popen", Done)
+    monkeypatch.setattr(sweep_mod, "subprocess", sweep_subprocess(run=run_here, Popen=Done))
     spec = sweep_file(tmp_path, small_yaml(), grid={"experiment": ["fp4_trace"], "seed": [0, 1]})
     assert main(["sweep", spec, "eval_every=5", "--jobs", "2"]) == 0
     assert commands == [
@@ -333,10 +353,7 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
 def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
     """Ctrl-C (or a time limit) in the parent of ``--jobs``: every running cell gets the SIGINT
     a run stops on (its files closed, its last checkpoint named), and is waited for."""
-    started, real_popen = [], subprocess.Popen
-    monkeypatch.setattr(
-        sweep_mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0)
-    )
+    started = []
 
     procs = []
 
@@ -346,10 +363,11 @@ def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, sm
 
     def popen(args, **kw):  # a cell that says it runs, then runs until interrupted
         started.append(args[-1])
-        procs.append(real_popen([sys.executable, "-c", cell, str(ready / args[-1])], **kw))
+        procs.append(subprocess.Popen([sys.executable, "-c", cell, str(ready / args[-1])], **kw))
         return procs[-1]
 
-    monkeypatch.setattr(sweep_mod.subprocess, "Popen", popen)
+    warm_start = lambda *a, **k: subprocess.CompletedProcess(a, 0)  # noqa: E731
+    monkeypatch.setattr(sweep_mod, "subprocess", sweep_subprocess(run=warm_start, Popen=popen))
     real_sleep, slept = time.sleep, []
 
     def sleep(seconds):  # Ctrl-C at the sweep's first wait, once its cells run (a signal sent

@@ -1,17 +1,21 @@
 """Run outputs: metrics as JSONL and TensorBoard, a progress line with ETA, PNG curves, the
-run's summary, and the record of the settings that produced its steps.
+run's summary, and the record of the settings and the code and device that produced its steps.
 
 ``metrics.jsonl`` holds one JSON object per step (``{"step": n, ...}``); on resume it is cut back
 to the checkpointed step so that the file equals that of an uninterrupted run. ``config.yaml``
 holds the settings of step 0; a resume with other settings adds ``config.changed-at-step-N.yaml``
-(those of steps N onward) and never rewrites ``config.yaml``.
+(those of steps N onward) and never rewrites ``config.yaml``. ``provenance.jsonl`` holds one line
+per process that ran steps: from which step, the commit, the device, the JAX version, the date and
+the command.
 """
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 import math
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -325,3 +329,57 @@ def record_config(run_dir: str | Path, resolved: Mapping[str, Any]) -> int:
     name = CONFIG_CHANGE.format(step=first) if first else CONFIG
     (run_dir / name).write_text(yaml.safe_dump(dict(resolved), sort_keys=False))
     return first
+
+
+PROVENANCE = "provenance.jsonl"
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout the package runs from
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(_ROOT), *args], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def provenance() -> dict[str, Any]:
+    """What this process runs: ``commit`` (the checkout's HEAD; None outside a git checkout) and
+    ``dirty`` (tracked files differ from it), ``device`` (kind of the first device), ``devices``,
+    ``jax``, ``date`` (UTC) and ``command``."""
+    import jax
+
+    commit = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+
+
+def record_provenance(run_dir: str | Path) -> list[dict]:
+    """Append this process's ``provenance()`` to ``<run_dir>/provenance.jsonl`` as the origin of
+    the steps from the run's next one on (after its newest checkpoint; the lines of steps that
+    will be logged again go). Returns every line, oldest first."""
+    path = Path(run_dir) / PROVENANCE
+    steps = checkpoint_steps(run_dir)
+    first = steps[-1] + 1 if steps else 0
+    kept = [r for r in read_provenance(run_dir) if r["first_step"] < first]
+    kept.append({"first_step": first, **provenance()})
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def read_provenance(run_dir: str | Path) -> list[dict]:
+    """The lines of ``<run_dir>/provenance.jsonl`` ([] when there is none)."""
+    path = Path(run_dir) / PROVENANCE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
