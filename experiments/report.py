@@ -139,6 +139,8 @@ TABLE_COLUMNS = (
     ("mismatch/kl_k3/last_fifth", "kl_k3"),
     ("mismatch/guided_code_agreement/last_fifth", "guided code agreement"),
     ("mismatch/code_one_step/all/last_fifth", "one-code-step share"),
+    ("guidance/bytes_per_token", "guidance bytes/token"),
+    ("guidance/ratio_to_full", "of full guidance"),
     ("rate/rollout/tokens_per_s", "decode tokens/s"),
     ("time/step_s", "s per RL step"),
 )
@@ -313,10 +315,47 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         lines.append("| --- | " + " | ".join("---" for _ in phases) + " |")
         for mode, a in agg.items():
             lines.append(f"| {mode} | " + " | ".join(_cell(a.get(p)) for p in phases) + " |")
+    against = qat_overheads(agg)
+    if against:
+        lines += ["", "TRACE's step time against vanilla QAT's (the paper: +7.4 %):", ""]
+        lines += [f"- {line}" for line in against]
     unfinished = [f"`{n}` ({c['state']})" for n, c in data["cells"].items() if c["state"] != "done"]
     lines += ["", "Cells not finished (left out above): " + (", ".join(unfinished) or "none") + "."]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures), ""]
     return "\n".join(lines)
+
+
+def qat_overheads(agg: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each TRACE mode's mean step time against the vanilla QAT mode of the same other grid
+    values (``fp4_trace staleness=3`` against ``fp4_qat staleness=3``): the whole step and the
+    step outside its decode loop (whose length the longest response sets)."""
+    out = []
+    for mode, a in agg.items():
+        head, _, rest = mode.partition(" ")
+        qat = agg.get(" ".join(filter(None, ("fp4_qat", rest))))
+        if head not in ("fp4_trace", "fp4_trace_all") or not qat:
+            continue
+        parts = []
+        for label, value in (("step", _step_s), ("outside the decode loop", _outside_decode)):
+            t, q = value(a), value(qat)
+            if t is not None and q:
+                parts.append(f"{label} {t:.3g} s against {q:.3g} s, {100 * (t / q - 1):+.1f} %")
+        if parts:
+            n = f"{a['time/step_s']['n']} / {qat['time/step_s']['n']} seeds"
+            out.append(
+                f"{mode} against {' '.join(filter(None, ('fp4_qat', rest)))} ({n}): "
+                + "; ".join(parts)
+            )
+    return out
+
+
+def _step_s(a: Mapping[str, Any]) -> float | None:
+    return (a.get("time/step_s") or {}).get("mean")
+
+
+def _outside_decode(a: Mapping[str, Any]) -> float | None:
+    step, decode = _step_s(a), (a.get("time/rollout/decode_s") or {}).get("mean")
+    return None if step is None or decode is None else step - decode
 
 
 def starts(data: Mapping) -> str:

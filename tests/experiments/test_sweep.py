@@ -413,3 +413,35 @@ def test_a_budget_ends_the_sweep_in_time(tmp_path, monkeypatch, capsys, small_ya
     ]
     assert "--budget-min 14: -2.0 min left, no cell started" in capsys.readouterr().out
     assert main(["sweep", spec, "--budget-min", "5", "--jobs", "2"]) == 2
+
+
+def test_report_sets_trace_against_qat_of_the_same_other_grid_values():
+    """Mean step times (and outside the decode loop) of each TRACE mode against the QAT mode
+    that differs from it only by ``experiment``, by hand; guidance bytes a run's last."""
+    from experiments.report import qat_overheads
+
+    def stats(step, decode, n=3):
+        return {
+            "time/step_s": {"mean": step, "n": n},
+            "time/rollout/decode_s": {"mean": decode, "n": n},
+        }
+
+    agg = {
+        "fp4_qat": stats(2.0, 0.5),
+        "fp4_trace": stats(2.1, 0.5),
+        "fp4_trace_all staleness=3": stats(3.0, 1.0, n=2),
+        "fp4_qat staleness=3": stats(2.5, 0.5),
+        "fp4_trace fmt=mxfp4": stats(2.0, 0.4),  # no QAT of its grid values: left out
+    }
+    assert qat_overheads(agg) == [
+        "fp4_trace against fp4_qat (3 / 3 seeds): step 2.1 s against 2 s, +5.0 %; "
+        "outside the decode loop 1.6 s against 1.5 s, +6.7 %",
+        "fp4_trace_all staleness=3 against fp4_qat staleness=3 (2 / 3 seeds): step 3 s "
+        "against 2.5 s, +20.0 %; outside the decode loop 2 s against 2 s, +0.0 %",
+    ]
+    records = [{"step": 0, "reward": 0.1, "guidance/bytes_per_token": 9.0}]
+    records += [
+        {"step": 1, "reward": 0.2, "guidance/bytes_per_token": 8.0},
+        {"step": 2, "reward": 0.3},
+    ]
+    assert runlog.summarize(records)["guidance/bytes_per_token"] == 8.0

@@ -195,6 +195,9 @@ LAST_FIFTH = (
 )
 
 
+# Constant through a run (its last value is the run's): TRACE's guidance per token, compact, full.
+LAST = ("guidance/bytes_per_token", "guidance/full_bytes_per_token", "guidance/ratio_to_full")
+
 # Shares of the code mismatches of a step: undefined (NaN) at a step without mismatches.
 SHARES_OF_MISMATCHES = ("mismatch/code_one_step/", "mismatch/code_far/")
 
@@ -216,6 +219,8 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
         one-code-step share of code mismatches):
         means over the steps of the last fifth that logged the key (for a share of mismatches,
         that had a mismatch).
+      the ``LAST`` keys (guidance bytes per token, compact and full, and their ratio): the
+        last value logged.
       time/<key>: for every logged ``<key>`` ending in ``_s`` (seconds of a phase), its mean over
         the RL steps after the first (which compiles); ``rate/<key>`` likewise for ``_per_s``.
     """
@@ -239,6 +244,7 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
         "reward/first_fifth": mean("reward", rl[:k]),
         "reward/last_fifth": mean("reward", rl[-k:]),
         **{f"{key}/last_fifth": mean(key, rl[-k:]) for key in LAST_FIFTH},
+        **{key: next((r[key] for r in reversed(rl) if key in r), None) for key in LAST},
     }
     timed = rl[1:] if n > 1 else rl
     for key in sorted({key for r in rl for key in r if key.endswith("_s")}):
