@@ -315,6 +315,7 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         lines.append("| --- | " + " | ".join("---" for _ in phases) + " |")
         for mode, a in agg.items():
             lines.append(f"| {mode} | " + " | ".join(_cell(a.get(p)) for p in phases) + " |")
+    lines += against_reference(data)
     against = qat_overheads(agg)
     if against:
         lines += ["", "TRACE's step time against vanilla QAT's (the paper: +7.4 %):", ""]
@@ -323,6 +324,82 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
     lines += ["", "Cells not finished (left out above): " + (", ".join(unfinished) or "none") + "."]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures), ""]
     return "\n".join(lines)
+
+
+REFERENCE = "bf16_rollout"
+
+
+def paired_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high) of per-seed differences: the mean and its Student-t interval over the
+    seeds (NaN bounds for one seed)."""
+    from scipy import stats
+
+    d = np.asarray(diffs, np.float64)
+    m = float(d.mean())
+    if d.size < 2:
+        return m, math.nan, math.nan
+    half = float(stats.t.ppf(0.5 + level / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
+    return m, m - half, m + half
+
+
+def against_reference(data: Mapping[str, Any]) -> list[str]:
+    """Markdown lines: each mode's final greedy reward minus the BF16 reference's of the same
+    other grid values, paired by seed (the same seed draws the same prompts and samples until
+    the policies part), mean and 95 % Student-t interval over the seeds both finished: in its
+    own precision against the reference's BF16, both in BF16, and against each post-hoc FP4
+    quantization of the reference's policy (``ptq_scale_rules``)."""
+    cells = data["cells"]
+    by_mode = {
+        mode: {cells[n]["seed"]: cells[n]["summary"] for n in names}
+        for mode, names in data["modes"].items()
+    }
+    refs = {m for m in by_mode if m.partition(" ")[0] == REFERENCE}
+    rules = sorted(
+        {k for m in refs for s in by_mode[m].values() for k in s if k.startswith("ptq/fp4")}
+    )
+    columns = [
+        ("eval/reward_end", "eval/reward_end", "own precision vs the reference's BF16"),
+        ("eval/reward_bf16_end", "eval/reward_end", "both in BF16"),
+        *(
+            (
+                "eval/reward_end",
+                r,
+                f"vs the reference post hoc {r.removeprefix('ptq/fp4 ptq ')}",
+            )
+            for r in rules
+        ),
+    ]
+    rows = []
+    for mode, seeds in by_mode.items():
+        head, _, rest = mode.partition(" ")
+        ref = by_mode.get(" ".join(filter(None, (REFERENCE, rest))))
+        if head == REFERENCE or not ref:
+            continue
+        cells = []
+        for mine, theirs, _ in columns:
+            diffs = [
+                seeds[s][mine] - ref[s][theirs]
+                for s in sorted(set(seeds) & set(ref), key=str)
+                if mine in seeds[s] and theirs in ref[s]
+            ]
+            if not diffs:
+                cells.append("-")
+                continue
+            m, lo, hi = paired_ci(diffs)
+            ci = f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else ""
+            cells.append(f"{m:+.3f}{ci} (n={len(diffs)})")
+        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        f"Final greedy eval reward minus the `{REFERENCE}` cell's of the same seed and other grid "
+        "values: mean [95 % Student-t interval] over the seeds both finished:",
+        "",
+        "| mode | " + " | ".join(label for *_, label in columns) + " |",
+        "| --- | " + " | ".join("---" for _ in columns) + " |",
+        *rows,
+    ]
 
 
 def qat_overheads(agg: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -445,3 +445,38 @@ def test_report_sets_trace_against_qat_of_the_same_other_grid_values():
         {"step": 2, "reward": 0.3},
     ]
     assert runlog.summarize(records)["guidance/bytes_per_token"] == 8.0
+
+
+def test_report_pairs_each_mode_with_the_reference_by_seed():
+    """Differences to the BF16 reference of the same seed, mean and 95 % interval by hand
+    (Student's t with 2 degrees of freedom: 4.303); a mode without a reference of its other
+    grid values is left out."""
+    from experiments.report import against_reference
+
+    def cell(mode, seed, **summary):
+        return {"mode": mode, "seed": seed, "state": "done", "summary": summary}
+
+    ref = {0: 0.5, 1: 0.6, 2: 0.4}
+    trace = {0: 0.55, 1: 0.58, 2: 0.47}  # differences +0.05, -0.02, +0.07
+    cells = [
+        cell("bf16_rollout", s, **{"eval/reward_end": r, "ptq/fp4 ptq (max6)": r - 0.1})
+        for s, r in ref.items()
+    ]
+    cells += [cell("fp4_trace", s, **{"eval/reward_end": r}) for s, r in trace.items()]
+    cells += [cell("fp4_qat fmt=mxfp4", 0, **{"eval/reward_end": 0.3})]
+    cells += [cell("fp4_qat", 1, **{"eval/reward_end": 0.5}), {"state": "partial", "seed": 2}]
+    modes = {}
+    for i, c in enumerate(cells):
+        if c["state"] == "done":
+            modes.setdefault(c["mode"], []).append(str(i))
+    lines = against_reference({"cells": {str(i): c for i, c in enumerate(cells)}, "modes": modes})
+    d = np.array([0.05, -0.02, 0.07])
+    half = 4.303 * d.std(ddof=1) / np.sqrt(3)
+    trace_row = next(line for line in lines if line.startswith("| fp4_trace |"))
+    own = f"{d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}] (n=3)"
+    ptq = (
+        f"{d.mean() + 0.1:+.3f} [{d.mean() + 0.1 - half:+.3f}, {d.mean() + 0.1 + half:+.3f}] (n=3)"
+    )
+    assert trace_row == f"| fp4_trace | {own} | - | {ptq} |"
+    assert "| fp4_qat | -0.100 (n=1) | - | +0.000 (n=1) |" in lines
+    assert not any("mxfp4" in line for line in lines)  # no bf16_rollout fmt=mxfp4
