@@ -13,10 +13,10 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # keeps the wheels of ../shared/
 PY=${PYTHON:-python3}
 BENCH=experiments/bench
 RUN="$PY -m experiments run"
-MEDIUM=configs/reasoning/medium.yaml
+MEDIUM=${RECIPE:-configs/reasoning/medium.yaml}  # the RL steps' recipe (RECIPE: another preset's)
 PHASES="$PY $BENCH/rl_phases.py"
-# The suite's own helpers are lower case: the knobs a caller sets (WS, WS_MAP, RL_MIN, RL_ARGS,
-# SWEEP, ONLY, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
+# The suite's own helpers are lower case: the knobs a caller sets (RECIPE, WS, WS_MAP, RL_MIN,
+# RL_ARGS, SWEEP, ONLY, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
 # a run's records (metrics, results, curves; not its parameters) into $OUT/<run>.tgz
 keep="keep() { tar czf $OUT/\$(basename \$1).tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill \$1; }; keep"
 # the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it

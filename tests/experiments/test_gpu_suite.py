@@ -69,3 +69,9 @@ def test_a_callers_knobs_reach_the_steps_as_given(tmp_path):
         "-m", "experiments", "run", "configs/reasoning/medium.yaml", "warm_start.steps=320",
         "time_limit_min=8", "checkpoint_every=0", "lr=1e-5", "--run-dir", "runs/learn-ws320",
     ]  # fmt: skip
+    # RECIPE: another preset's recipe for the RL steps
+    env["RECIPE"] = "configs/reasoning/small.yaml"
+    subprocess.run(["bash", str(SUITE), step], cwd=tmp_path, env=env, timeout=60, check=True)
+    log = (tmp_path / "out" / f"{step}.log").read_text().splitlines()
+    command = next(line for line in log if line.startswith("-m experiments run"))
+    assert command.split()[3] == "configs/reasoning/small.yaml"
