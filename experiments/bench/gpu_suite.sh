@@ -159,7 +159,7 @@ STEPS=(
   # parameters) come back in $OUT/study.tgz: untar them here, `python -m experiments archive
   # runs/sweeps/<name> docs/results/sweeps/<name>` (cells of every call merged), then `report`
   # (the call's own report, of the cells on this machine, comes back in $OUT/study-report)
-  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --budget-min \${RL_MIN:-9} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps; d=runs/sweeps/\$(basename \${SWEEP:-reasoning_modes} .yaml); $PY -m experiments report \$d --out $OUT/study-report > $OUT/study-report.log 2>&1 && grep '^|' $OUT/study-report/report.md | head -12"
+  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --budget-min \${RL_MIN:-8.5} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps; d=runs/sweeps/\$(basename \${SWEEP:-reasoning_modes} .yaml); $PY -m experiments report \$d --out $OUT/study-report > $OUT/study-report.log 2>&1 && grep '^|' $OUT/study-report/report.md | head -12"
   # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
   # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an

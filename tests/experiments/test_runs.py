@@ -236,9 +236,11 @@ def test_summarize_is_a_hand_computation():
                 "mismatch/code_one_step/all": float("nan") if i % 2 else 0.9 + 0.01 * i,
                 **({"eval/reward_start": 0.25} if i == 0 else {}),
                 **({"eval/reward": 0.5 + 0.1 * i} if i % 5 == 4 else {}),
+                "guidance/ratio_to_full": 0.1 + 0.01 * i,  # a run's last is its own
             }
         )
     s = runlog.summarize(recs, "train")
+    assert s["guidance/ratio_to_full"] == pytest.approx(0.19)
     assert s["rl_steps"] == 10 and s["fifth"] == 2 and s["eval_split"] == "train"
     assert s["eval/reward_start"] == 0.25 and s["eval/reward_end"] == pytest.approx(1.4)
     assert s["reward/first_fifth"] == 0.5 and s["reward/last_fifth"] == 8.5
@@ -257,6 +259,7 @@ def test_summarize_is_a_hand_computation():
     table = runlog.format_summary(s)
     assert "eval reward (greedy, train split), end of RL" in table
     assert "train reward (sampled), last 2 of 10 RL steps" in table
+    assert "compact / full guidance" in table
 
 
 # A fresh process: does ``execute`` set the flag before anything (e.g. asking for the process

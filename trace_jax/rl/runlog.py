@@ -267,6 +267,9 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float]]:
         "reward/first_fifth": f"train reward (sampled), first {k} of {n} RL steps",
         "reward/last_fifth": f"train reward (sampled), last {k} of {n} RL steps",
         **{f"{key}/last_fifth": f"{key}, mean of the last {k} RL steps" for key in LAST_FIFTH},
+        "guidance/bytes_per_token": "guidance bytes per token (compact)",
+        "guidance/full_bytes_per_token": "guidance bytes per token (full)",
+        "guidance/ratio_to_full": "compact / full guidance",
     }
     rows = [(key, label, summary[key]) for key, label in labels.items() if key in summary]
     for key in sorted(summary):
