@@ -344,8 +344,8 @@ def paired_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float
 
 def against_reference(data: Mapping[str, Any]) -> list[str]:
     """Markdown lines: each mode's final greedy reward minus the BF16 reference's of the same
-    other grid values, paired by seed (the same seed draws the same prompts and samples until
-    the policies part), mean and 95 % Student-t interval over the seeds both finished: in its
+    other grid values, paired by seed (the same seed draws the same prompts in the same order),
+    mean and 95 % Student-t interval over the seeds both finished: in its
     own precision against the reference's BF16, both in BF16, and against each post-hoc FP4
     quantization of the reference's policy (``ptq_scale_rules``)."""
     cells = data["cells"]
@@ -375,7 +375,7 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
         ref = by_mode.get(" ".join(filter(None, (REFERENCE, rest))))
         if head == REFERENCE or not ref:
             continue
-        cells = []
+        row = []
         for mine, theirs, _ in columns:
             diffs = [
                 seeds[s][mine] - ref[s][theirs]
@@ -383,12 +383,12 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
                 if mine in seeds[s] and theirs in ref[s]
             ]
             if not diffs:
-                cells.append("-")
+                row.append("-")
                 continue
             m, lo, hi = paired_ci(diffs)
             ci = f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else ""
-            cells.append(f"{m:+.3f}{ci} (n={len(diffs)})")
-        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
+            row.append(f"{m:+.3f}{ci} (n={len(diffs)})")
+        rows.append(f"| {mode} | " + " | ".join(row) + " |")
     if not rows:
         return []
     return [
@@ -475,14 +475,14 @@ def origins(data: Mapping) -> str:
     code = (
         f"Every finished cell ran at commit {next(iter(commits))}"
         if len(commits) == 1
-        else f"**The finished cells ran at several commits**: {listed(commits)}"
+        else f"**The finished cells ran at several commits** (processes): {listed(commits)}"
     )
     where = (
         f"on {next(iter(devices))}"
         if len(devices) == 1
         else f"**on several kinds of device** (timings not comparable): {listed(devices)}"
     )
-    return f"{code}, {where} (processes counted)."
+    return f"{code}, {where}."
 
 
 def _commit(p: Mapping[str, Any]) -> str:

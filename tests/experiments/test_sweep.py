@@ -209,7 +209,7 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     assert "**Not every cell started RL from the warm start's parameters**" in flagged
     assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
     assert (
-        "**The finished cells ran at several commits**" in flagged
+        "**The finished cells ran at several commits** (processes)" in flagged
         and "`0123456` +dirty (1)" in flagged
     )
     assert (
