@@ -39,6 +39,10 @@ USER_ERRORS = (ConfigError, CheckpointError)
 
 
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+# The share of a GPU's memory a run's process takes (JAX's default is 0.75: on an 80 GB H100 that
+# leaves ~20 GB unused by a run that owns the GPU); XLA_PYTHON_CLIENT_MEM_FRACTION, when set,
+# rules (``sweep --jobs N`` sets 0.9 / N).
+MEM_FRACTION = "0.92"
 
 
 def init_distributed(environ=os.environ) -> bool:
@@ -155,6 +159,8 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     ``Interrupted`` on Ctrl-C.
     """
     resolved = {"experiment": exp.name, **to_dict(cfg)}
+    if not xla_bridge.backends_are_initialized():
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     if getattr(cfg, "deterministic", False):  # before anything starts the backend
         os.environ["XLA_FLAGS"] = deterministic_flags(
             os.environ.get("XLA_FLAGS", ""),

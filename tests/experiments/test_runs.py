@@ -16,6 +16,7 @@ import yaml
 from cpu_jobs import ROOT, cpu_env
 
 from experiments.__main__ import main, resolve
+from experiments.runner import MEM_FRACTION
 from trace_jax.config import ConfigError
 from trace_jax.rl import loop, runlog
 
@@ -265,7 +266,7 @@ def test_summarize_is_a_hand_computation():
 # A fresh process: does ``execute`` set the flag before anything (e.g. asking for the process
 # index) starts the backend? On a GPU a late flag is refused, so `deterministic: true` runs failed.
 FRESH_EXECUTE = """
-import dataclasses, sys
+import dataclasses, os, sys
 from pathlib import Path
 from jax._src import xla_bridge
 from experiments import runner
@@ -283,6 +284,7 @@ flags = runner.deterministic_flags
 runner.deterministic_flags = lambda f, s, b: started.append(s) or flags(f, s, b)
 results = runner.execute(Experiment("probe", Cfg, run, ""), Cfg(), Path(sys.argv[1]))
 print({"started_before_flags": results["started_before_flags"]})
+print("memory fraction", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
 """
 
 
@@ -298,6 +300,18 @@ def test_execute_sets_the_deterministic_flag_before_the_backend_starts(tmp_path)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "{'started_before_flags': False}" in out.stdout, out.stdout
+    # a run owns its GPU: most of its memory, unless the caller said otherwise
+    assert f"memory fraction {MEM_FRACTION}" in out.stdout, out.stdout
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"
+    out = subprocess.run(
+        [sys.executable, "-c", FRESH_EXECUTE, str(tmp_path / "run2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert "memory fraction 0.45" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_deterministic_sets_xlas_flag_before_the_gpu_starts_and_refuses_after():
