@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,18 @@ USER_ERRORS = (ConfigError, CheckpointError)
 
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 # The share of a GPU's memory a run's process takes (JAX's default is 0.75: on an 80 GB H100 that
-# leaves ~20 GB unused by a run that owns the GPU); XLA_PYTHON_CLIENT_MEM_FRACTION, when set,
-# rules (``sweep --jobs N`` sets 0.9 / N).
+# leaves ~20 GB unused by a run that owns the GPU); a share the caller set rules (``sweep --jobs
+# N`` sets 0.9 / N).
 MEM_FRACTION = "0.92"
+# JAX 0.11's name for it and the deprecated one (JAX refuses both at once)
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def set_memory_fraction(env: MutableMapping[str, str], fraction: str) -> None:
+    """Set a process's share of its GPU's memory in ``env`` (read when its backend starts),
+    unless one is set under either name."""
+    if not any(env.get(name) for name in MEM_FRACTION_VARS):
+        env[MEM_FRACTION_VARS[0]] = fraction
 
 
 def init_distributed(environ=os.environ) -> bool:
@@ -160,7 +169,7 @@ def execute(exp: Experiment, cfg: Any, run_dir: Path, allow_change: bool = False
     """
     resolved = {"experiment": exp.name, **to_dict(cfg)}
     if not xla_bridge.backends_are_initialized():
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+        set_memory_fraction(os.environ, MEM_FRACTION)
     if getattr(cfg, "deterministic", False):  # before anything starts the backend
         os.environ["XLA_FLAGS"] = deterministic_flags(
             os.environ.get("XLA_FLAGS", ""),

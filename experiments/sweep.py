@@ -36,7 +36,7 @@ cell starts with less than ``MIN_CELL_MIN`` minutes left.
 
 ``--jobs N`` runs up to N cells at once, each in its own process (``python -m experiments sweep
 <file> --only <cell>``, its output in ``<sweep_dir>/logs/<cell>.log``) with a share of the GPU's
-memory (``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.9 / N unless set), after the warm start's own
+memory (``XLA_CLIENT_MEM_FRACTION`` 0.9 / N unless a share is set), after the warm start's own
 process (``--warm-start-only``): on one GPU a cell's steps leave the device idle between small
 kernels, which another cell's steps can fill.
 
@@ -358,12 +358,12 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
     overrides, its output in ``<sweep_dir>/logs/<cell>.log``. Returns 0, or 1 when a cell's
     process failed (its log names why)."""
     command = [sys.executable, "-m", "experiments", "sweep", sweep.file, *sweep.extra]
-    if allow_change:
-        from experiments.runner import ALLOW_CHANGE
+    from experiments.runner import ALLOW_CHANGE, set_memory_fraction
 
+    if allow_change:
         command.append(ALLOW_CHANGE)
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")
+    set_memory_fraction(env, f"{0.9 / jobs:.3f}")
     print(f"\n=== {sweep.warm_start_dir}: the warm start every cell starts from", flush=True)
     if subprocess.run([*command, "--warm-start-only"], env=env).returncode:
         return 1

@@ -113,7 +113,7 @@ STEPS=(
   # the recipe's deterministic warm start twice at once (two processes, each compiling its own
   # programs): the same start_policy_sha256 is what lets a study's modes start from one policy
   # across calls; run it again in another call and compare the digest
-  "rl-determinism|300|export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=0 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
+  "rl-determinism|300|export XLA_CLIENT_MEM_FRACTION=0.45; for r in a b; do $RUN $MEDIUM steps=0 warm_start.steps=60 eval_problems=0 checkpoint_every=0 --run-dir runs/det-\$r & done; wait; grep -ho '\"start_policy_sha256\": \"[0-9a-f]*' runs/det-a/results.json runs/det-b/results.json; $PHASES runs/det-a"
   "rl-warm-start-medium|540|$RUN $MEDIUM steps=0 --run-dir runs/ws-medium"
   # the recipe (128 prompts x 8, minibatches of 128 sequences): warm start and 220 RL steps (the
   # run stops itself after RL_MIN minutes, default 9, to fit a call with less device time left;
@@ -164,7 +164,7 @@ STEPS=(
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
   # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an
   # H100, 59 of an H200: run it on an H200; memory/peak_gib of a cell alone is the real need)
-  "rl-parallel|480|$ws_once || exit 1; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45; for s in 0 1; do timeout 400 $RUN $MEDIUM $from_ws seed=\$s steps=40 eval_problems=0 checkpoint_every=0 --run-dir runs/par-\$s > $OUT/par-\$s.log 2>&1 & done; wait; $PHASES runs/par-0 runs/par-1"
+  "rl-parallel|480|$ws_once || exit 1; export XLA_CLIENT_MEM_FRACTION=0.45; for s in 0 1; do timeout 400 $RUN $MEDIUM $from_ws seed=\$s steps=40 eval_problems=0 checkpoint_every=0 --run-dir runs/par-\$s > $OUT/par-\$s.log 2>&1 & done; wait; $PHASES runs/par-0 runs/par-1"
   # trim_padding (the trainer's batch cut to its longest sequence, rounded up to 16 slots) against
   # the full 64 slots, BF16 from the recipe's warm start, 30 steps each: the trainer's seconds
   "rl-trim|480|$ws_once || exit 1; for t in false true; do timeout 220 $RUN $MEDIUM $from_ws trim_padding=\$t steps=30 eval_problems=0 checkpoint_every=0 --run-dir runs/trim-\$t > $OUT/trim-\$t.log 2>&1; echo \"trim_padding=\$t rc=\$?\"; done; $PHASES runs/trim-false runs/trim-true"

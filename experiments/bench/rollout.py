@@ -83,7 +83,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the engine's room on a GPU
+# the engine's room on a GPU, unless a share is set (under JAX 0.11's name or the deprecated one,
+# as experiments.runner.set_memory_fraction: JAX refuses both at once)
+if not any(
+    os.environ.get(v) for v in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
 if "--compile-only" in sys.argv:  # beside an engine's process: take device memory as needed
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from experiments import sweep as sweep_mod
 from experiments.__main__ import main
+from experiments.runner import MEM_FRACTION_VARS
 from experiments.sweep import SWEEP_FILE, load_sweep
 from trace_jax.model import ModelConfig, Transformer, params_digest, restore_params
 from trace_jax.rl import loop, runlog
@@ -316,7 +317,7 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
 
     def run_here(args, env, **kw):  # a process's command, run in this one
         assert args[:4] == [sys.executable, "-m", "experiments", "sweep"]
-        commands.append((args[4:], env["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+        commands.append((args[4:], env["XLA_CLIENT_MEM_FRACTION"]))
         return subprocess.CompletedProcess(args, main(args[3:]))
 
     class Done:
@@ -327,7 +328,8 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
         def poll(self):
             return self.returncode
 
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    for name in MEM_FRACTION_VARS:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sweep_mod, "subprocess", sweep_subprocess(run=run_here, Popen=Done))
     spec = sweep_file(tmp_path, small_yaml(), grid={"experiment": ["fp4_trace"], "seed": [0, 1]})
     assert main(["sweep", spec, "eval_every=5", "--jobs", "2"]) == 0
