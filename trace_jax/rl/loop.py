@@ -190,7 +190,7 @@ class RLConfig:
       after its last RL step the greedy reward of its policy quantized post hoc with each
       weight scale rule ("max6": RTN; "four_over_six"), evaluated by the FP4 modes' evaluation
       engine on the problems of ``eval/reward``: ``ptq_eval_reward`` in the results, with the
-      BF16 reward as ``bf16``.
+      BF16 reward as ``bf16`` (none with ``eval_problems: 0``).
     checkpoint_every: checkpoint every this many steps (and at the end); 0: never (a benchmark's
       run, which a kill loses; a warm start still writes its ``policy/``).
     deterministic: XLA's deterministic GPU ops (``--xla_gpu_deterministic_ops``, set by the
@@ -910,7 +910,8 @@ class RLRun:
             "complete": done == total,
             "start_policy_sha256": self.start_digest,
         }
-        if cfg.ptq_scale_rules and cfg.rollout == "bf16" and cfg.steps and done == total:
+        post_hoc = cfg.ptq_scale_rules and cfg.rollout == "bf16" and cfg.eval_problems
+        if post_hoc and cfg.steps and done == total:
             results["ptq_eval_reward"] = self.post_hoc_rewards(state.params)
         return results
 
