@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     cmp_p = sub.add_parser("compare", help="plot and tabulate several runs, seeds aggregated")
     cmp_p.add_argument("run_dirs", nargs="+", help="run directories with metrics.jsonl")
     cmp_p.add_argument("--out", default=None, help="PNG path (default: compare.png in the first)")
+    cmp_p.add_argument(
+        "--labels", default=None, help="comma-separated names of the runs in the plot's legend"
+    )
     sweep_p = sub.add_parser("sweep", help="run a grid of configs from one shared warm start")
     sweep_p.add_argument("sweep", help="path to configs/sweeps/<name>.yaml")
     sweep_p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             from experiments.report import compare
 
-            return compare(args.run_dirs, args.out)
+            labels = args.labels.split(",") if args.labels else None
+            return compare(args.run_dirs, args.out, labels)
         if args.command == "report":
             from experiments.report import report
 

@@ -86,17 +86,25 @@ def seed_groups(configs: Mapping[str, dict]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def compare(run_dirs: Sequence[str], out: str | None = None) -> int:
-    """Curves of several runs (one line per run directory) and a table of their summaries, runs
+def compare(
+    run_dirs: Sequence[str], out: str | None = None, labels: Sequence[str] | None = None
+) -> int:
+    """Curves of several runs (one line per run directory, named by ``labels``, else by the
+    folders' names where those differ, else by their paths) and a table of their summaries, runs
     that differ only by seed aggregated as mean ± sd over n seeds."""
     runs = {}
     for d in run_dirs:
         if d in runs:
             raise ConfigError(f"compare: {d} is given twice")
         runs[d] = load_run(Path(d))
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ConfigError(f"--labels: {len(labels)} labels for {len(run_dirs)} run directories")
+    if labels is None:
+        names = [Path(d).name for d in run_dirs]
+        labels = names if len(set(names)) == len(names) else list(run_dirs)
     path = Path(out) if out else Path(run_dirs[0]) / "compare.png"
     runlog.plot_curves(  # by RL step: runs with and without a warm start of their own align
-        {d: recs for d, (_, recs, _) in runs.items()},
+        {label: runs[d][1] for label, d in zip(labels, run_dirs, strict=True)},
         COMPARE_KEYS,
         path,
         title="runs compared",

@@ -203,11 +203,17 @@ def test_compare_keeps_every_run_and_aggregates_seeds(tmp_path, capsys, monkeypa
     real_plot = runlog.plot_curves
     monkeypatch.setattr(runlog, "plot_curves", plot)
     assert main(["compare", *dirs, "--out", str(tmp_path / "cmp.png")]) == 0
-    # curves by RL steps done: the evaluation before RL at 0, whatever the warm start's length
-    a0, a2 = dirs[0], dirs[2]
-    assert plotted[a0, "eval/reward"] == [(0, 0.1), (5, 0.5)]
-    assert plotted[a2, "eval/reward"] == [(0, 0.0), (5, 0.3)]
-    assert [x for x, _ in plotted[a2, "reward"]] == [1, 2, 3, 4, 5]
+    # curves by RL steps done: the evaluation before RL at 0, whatever the warm start's length;
+    # each run named by its folder
+    assert plotted["a0", "eval/reward"] == [(0, 0.1), (5, 0.5)]
+    assert plotted["a2", "eval/reward"] == [(0, 0.0), (5, 0.3)]
+    assert [x for x, _ in plotted["a2", "reward"]] == [1, 2, 3, 4, 5]
+    plotted.clear()
+    assert (
+        main(["compare", *dirs[:2], "--labels", "one,two", "--out", str(tmp_path / "c.png")]) == 0
+    )
+    assert {label for label, _ in plotted} == {"one", "two"}
+    assert main(["compare", *dirs[:2], "--labels", "one", "--out", str(tmp_path / "c.png")]) == 2
     out = capsys.readouterr().out
     assert "eval = greedy reward on the held-out split" in out
     assert "train = reward of the sampled rollouts" in out
