@@ -299,29 +299,20 @@ def test_execute_sets_the_deterministic_flag_before_the_backend_starts(tmp_path)
     env = cpu_env(devices=1)
     for name in runner.MEM_FRACTION_VARS:  # as a caller that set no share
         env.pop(name, None)
-    out = subprocess.run(
-        [sys.executable, "-c", FRESH_EXECUTE, str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "{'started_before_flags': False}" in out.stdout, out.stdout
+
+    def fresh(run_dir: str) -> str:
+        args = [sys.executable, "-c", FRESH_EXECUTE, str(tmp_path / run_dir)]
+        out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    out = fresh("run")
+    assert "{'started_before_flags': False}" in out, out
     # a run owns its GPU: most of its memory, unless the caller said otherwise
-    assert f"memory fraction ['{MEM_FRACTION}', None]" in out.stdout, out.stdout
+    assert f"memory fraction ['{MEM_FRACTION}', None]" in out, out
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"
-    out = subprocess.run(
-        [sys.executable, "-c", FRESH_EXECUTE, str(tmp_path / "run2")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
     # the deprecated name set: the new one is not (JAX refuses both)
-    assert "memory fraction [None, '0.45']" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "memory fraction [None, '0.45']" in fresh("run2")
 
 
 def test_deterministic_sets_xlas_flag_before_the_gpu_starts_and_refuses_after():
