@@ -97,6 +97,12 @@ def parser() -> argparse.ArgumentParser:
     rep_p = sub.add_parser("report", help="tables and figures of a sweep directory")
     rep_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")
     rep_p.add_argument("--out", default=None, help="output folder (default <sweep_dir>/report)")
+    rep_p.add_argument(
+        "--reference",
+        default=None,
+        help="another sweep's folder whose bf16_rollout cells (same warm start) this one's are "
+        "set against, where it has none of its own",
+    )
     arc_p = sub.add_parser("archive", help="copy a sweep's records (no parameters) for keeping")
     arc_p.add_argument("sweep_dir", help="the sweep's folder (with sweep.yaml)")
     arc_p.add_argument("dest", help="the archive's folder (cells merged into one that exists)")
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from experiments.report import report
 
-            return report(args.sweep_dir, args.out)
+            return report(args.sweep_dir, args.out, args.reference)
         if args.command == "archive":
             from experiments.sweep import archive
 

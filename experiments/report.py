@@ -260,13 +260,25 @@ def _collapsed(cell: Mapping[str, Any]) -> bool:
     return bool(tail) and max(tail) == 0.0
 
 
-def report(sweep_dir: str | Path, out: str | Path | None = None) -> int:
+def report(
+    sweep_dir: str | Path, out: str | Path | None = None, reference: str | Path | None = None
+) -> int:
     """Write ``report.md``, ``report.json`` and PNG figures for a sweep directory (default into
-    ``<sweep_dir>/report``)."""
+    ``<sweep_dir>/report``); ``reference``: another sweep directory, from the same warm start,
+    whose ``bf16_rollout`` cells stand in for references this sweep does not run."""
     sweep_dir = Path(sweep_dir)
     data = sweep_data(sweep_dir)
     if not data["modes"]:
         raise ConfigError(f"{sweep_dir}: no cell has finished (results.json) yet")
+    if reference is not None:
+        data["reference"] = sweep_data(Path(reference))
+        theirs, ours = data["reference"]["warm_start"], data["warm_start"]
+        if theirs != ours:
+            raise ConfigError(
+                f"--reference {reference}: its warm start (sha256 {(theirs or 'unknown')[:16]}) "
+                f"is not this sweep's ({(ours or 'unknown')[:16]}): its cells started RL from "
+                "another policy"
+            )
     out = Path(out) if out else sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(data)
@@ -335,6 +347,9 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
 
 
 REFERENCE = "bf16_rollout"
+# Grid keys a BF16-rollout run does not read (its post-hoc quantization aside: fmt): a mode that
+# sets them is set against the reference without them.
+NOT_READ_BY_REFERENCE = ("fmt", "guided_layers", "guided_last_k")
 
 
 def paired_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -352,18 +367,27 @@ def paired_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float
 
 def against_reference(data: Mapping[str, Any]) -> list[str]:
     """Markdown lines: each mode's final greedy reward minus the BF16 reference's of the same
-    other grid values, paired by seed (the same seed draws the same prompts in the same order),
-    mean and 95 % Student-t interval over the seeds both finished: in its
-    own precision against the reference's BF16, both in BF16, and against each post-hoc FP4
-    quantization of the reference's policy (``ptq_scale_rules``)."""
-    cells = data["cells"]
-    by_mode = {
-        mode: {cells[n]["seed"]: cells[n]["summary"] for n in names}
-        for mode, names in data["modes"].items()
-    }
-    refs = {m for m in by_mode if m.partition(" ")[0] == REFERENCE}
+    other grid values (those in ``NOT_READ_BY_REFERENCE`` aside; from ``data["reference"]``,
+    another sweep of the same warm start, where this one runs none), paired by seed (the same
+    seed draws the same prompts in the same order), mean and 95 % Student-t interval over the
+    seeds both finished: in its own precision against the reference's BF16, both in BF16, and
+    against each post-hoc FP4 quantization of the reference's policy (``ptq_scale_rules``; not
+    across formats)."""
+
+    def seeds_by_mode(d: Mapping[str, Any]) -> dict[str, dict[Any, dict]]:
+        return {
+            mode: {d["cells"][n]["seed"]: d["cells"][n]["summary"] for n in names}
+            for mode, names in d["modes"].items()
+        }
+
+    by_mode = seeds_by_mode(data)
+    pool = {m: s for m, s in by_mode.items() if m.partition(" ")[0] == REFERENCE}
+    if "reference" in data:  # another sweep's references, where this one runs none of its own
+        theirs = seeds_by_mode(data["reference"])
+        pool |= {m: s for m, s in theirs.items() if m.partition(" ")[0] == REFERENCE}
+    refs = set(pool)
     rules = sorted(
-        {k for m in refs for s in by_mode[m].values() for k in s if k.startswith("ptq/fp4")}
+        {k for m in refs for s in pool[m].values() for k in s if k.startswith("ptq/fp4")}
     )
     columns = [
         ("eval/reward_end", "eval/reward_end", "own precision vs the reference's BF16"),
@@ -380,11 +404,21 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
     rows = []
     for mode, seeds in by_mode.items():
         head, _, rest = mode.partition(" ")
-        ref = by_mode.get(" ".join(filter(None, (REFERENCE, rest))))
+        # the reference of the same other grid values, else of those a BF16 run reads
+        name = " ".join(filter(None, (REFERENCE, rest)))
+        dropped = []
+        if name not in pool:
+            words = rest.split()
+            dropped = [w for w in words if w.partition("=")[0] in NOT_READ_BY_REFERENCE]
+            name = " ".join([REFERENCE, *(w for w in words if w not in dropped)])
+        ref = pool.get(name)
         if head == REFERENCE or not ref:
             continue
-        row = []
+        row = [f"`{name}`"]
         for mine, theirs, _ in columns:
+            if theirs.startswith("ptq/") and any(w.startswith("fmt=") for w in dropped):
+                row.append("-")  # the reference quantized post hoc in another format
+                continue
             diffs = [
                 seeds[s][mine] - ref[s][theirs]
                 for s in sorted(set(seeds) & set(ref), key=str)
@@ -401,11 +435,11 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
         return []
     return [
         "",
-        f"Final greedy eval reward minus the `{REFERENCE}` cell's of the same seed and other grid "
-        "values: mean [95 % Student-t interval] over the seeds both finished:",
+        f"Final greedy eval reward minus the `{REFERENCE}` cell's (the reference column) of the "
+        "same seed: mean [95 % Student-t interval] over the seeds both finished:",
         "",
-        "| mode | " + " | ".join(label for *_, label in columns) + " |",
-        "| --- | " + " | ".join("---" for _ in columns) + " |",
+        "| mode | reference | " + " | ".join(label for *_, label in columns) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in columns) + " |",
         *rows,
     ]
 

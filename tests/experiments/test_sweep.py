@@ -180,6 +180,18 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     archived = json.loads((tmp_path / "r-kept" / "report.json").read_text())
     assert archived == agg
     assert f"sha256 `{start[:16]}`)" in (tmp_path / "r-kept" / "report.md").read_text()
+    # another sweep's references: only from the same warm start
+    args = ["report", str(sweep_dir), "--reference", str(kept), "--out", str(tmp_path / "r3")]
+    assert main(args) == 0
+    ws = json.loads((kept / "warm_start" / "results.json").read_text())
+    (kept / "warm_start" / "results.json").write_text(
+        json.dumps({**ws, "start_policy_sha256": "e" * 64})
+    )
+    assert main(args) == 2
+    assert "its warm start (sha256 eeeeeeeeeeeeeeee) is not this sweep's" in one_line(
+        capsys.readouterr().err
+    )
+    (kept / "warm_start" / "results.json").write_text(json.dumps(ws))
     # a cell unfinished in a later sweep directory does not replace its finished record
     partial = tmp_path / "later"
     (partial / CELLS[0]).mkdir(parents=True)
@@ -451,27 +463,32 @@ def test_report_sets_trace_against_qat_of_the_same_other_grid_values():
 
 def test_report_pairs_each_mode_with_the_reference_by_seed():
     """Differences to the BF16 reference of the same seed, mean and 95 % interval by hand
-    (Student's t with 2 degrees of freedom: 4.303); a mode without a reference of its other
-    grid values is left out."""
+    (Student's t with 2 degrees of freedom: 4.303); a mode whose other grid values a BF16 run
+    does not read (fmt) is set against the plain reference, but for the post-hoc quantization
+    (another format); one whose reference runs elsewhere, against that sweep's."""
     from experiments.report import against_reference
 
     def cell(mode, seed, **summary):
         return {"mode": mode, "seed": seed, "state": "done", "summary": summary}
 
+    def sweep(cells):
+        modes = {}
+        for i, c in enumerate(cells):
+            if c["state"] == "done":
+                modes.setdefault(c["mode"], []).append(str(i))
+        return {"cells": {str(i): c for i, c in enumerate(cells)}, "modes": modes}
+
     ref = {0: 0.5, 1: 0.6, 2: 0.4}
     trace = {0: 0.55, 1: 0.58, 2: 0.47}  # differences +0.05, -0.02, +0.07
-    cells = [
+    refs = [
         cell("bf16_rollout", s, **{"eval/reward_end": r, "ptq/fp4 ptq (max6)": r - 0.1})
         for s, r in ref.items()
     ]
-    cells += [cell("fp4_trace", s, **{"eval/reward_end": r}) for s, r in trace.items()]
+    cells = refs + [cell("fp4_trace", s, **{"eval/reward_end": r}) for s, r in trace.items()]
     cells += [cell("fp4_qat fmt=mxfp4", 0, **{"eval/reward_end": 0.3})]
+    cells += [cell("fp4_qat staleness=3", 0, **{"eval/reward_end": 0.3})]  # no reference
     cells += [cell("fp4_qat", 1, **{"eval/reward_end": 0.5}), {"state": "partial", "seed": 2}]
-    modes = {}
-    for i, c in enumerate(cells):
-        if c["state"] == "done":
-            modes.setdefault(c["mode"], []).append(str(i))
-    lines = against_reference({"cells": {str(i): c for i, c in enumerate(cells)}, "modes": modes})
+    lines = against_reference(sweep(cells))
     d = np.array([0.05, -0.02, 0.07])
     half = 4.303 * d.std(ddof=1) / np.sqrt(3)
     trace_row = next(line for line in lines if line.startswith("| fp4_trace |"))
@@ -479,6 +496,14 @@ def test_report_pairs_each_mode_with_the_reference_by_seed():
     ptq = (
         f"{d.mean() + 0.1:+.3f} [{d.mean() + 0.1 - half:+.3f}, {d.mean() + 0.1 + half:+.3f}] (n=3)"
     )
-    assert trace_row == f"| fp4_trace | {own} | - | {ptq} |"
-    assert "| fp4_qat | -0.100 (n=1) | - | +0.000 (n=1) |" in lines
-    assert not any("mxfp4" in line for line in lines)  # no bf16_rollout fmt=mxfp4
+    assert trace_row == f"| fp4_trace | `bf16_rollout` | {own} | - | {ptq} |"
+    assert "| fp4_qat | `bf16_rollout` | -0.100 (n=1) | - | +0.000 (n=1) |" in lines
+    assert "| fp4_qat fmt=mxfp4 | `bf16_rollout` | -0.200 (n=1) | - | - |" in lines
+    assert not any("staleness" in line for line in lines)  # staleness: a BF16 run reads it
+    # a sweep without references of its own, against another's
+    alone = sweep([cell("fp4_trace guided_last_k=2", 0, **{"eval/reward_end": 0.45})])
+    assert against_reference(alone) == []
+    lines = against_reference({**alone, "reference": sweep(refs)})
+    assert "| fp4_trace guided_last_k=2 | `bf16_rollout` | -0.050 (n=1) | - | +0.050 (n=1) |" in (
+        lines
+    )
