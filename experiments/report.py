@@ -652,8 +652,20 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
             ],
         ),
     ]
+
+    def with_references(key: str) -> dict[str, tuple[np.ndarray, ...]]:
+        out = _curves(data, key)
+        if "reference" in data and key.startswith("eval/"):  # another sweep's references
+            theirs = _curves(data["reference"], key)
+            out |= {
+                f"{m} (--reference)": c
+                for m, c in theirs.items()
+                if m.partition(" ")[0] == REFERENCE
+            }
+        return out
+
     for name, panels in figures:
-        panels = [(p, _curves(data, p[0])) for p in panels]
+        panels = [(p, with_references(p[0])) for p in panels]
         panels = [(p, c) for p, c in panels if c]
         if not panels:
             continue
