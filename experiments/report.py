@@ -385,9 +385,8 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
     if "reference" in data:  # another sweep's references, where this one runs none of its own
         theirs = seeds_by_mode(data["reference"])
         pool |= {m: s for m, s in theirs.items() if m.partition(" ")[0] == REFERENCE}
-    refs = set(pool)
     rules = sorted(
-        {k for m in refs for s in pool[m].values() for k in s if k.startswith("ptq/fp4")}
+        {k for s in pool.values() for c in s.values() for k in c if k.startswith("ptq/fp4")}
     )
     columns = [
         ("eval/reward_end", "eval/reward_end", "own precision vs the reference's BF16"),
@@ -451,7 +450,8 @@ def qat_overheads(agg: Mapping[str, Mapping[str, Any]]) -> list[str]:
     out = []
     for mode, a in agg.items():
         head, _, rest = mode.partition(" ")
-        qat = agg.get(" ".join(filter(None, ("fp4_qat", rest))))
+        qat_mode = " ".join(filter(None, ("fp4_qat", rest)))
+        qat = agg.get(qat_mode)
         if head not in ("fp4_trace", "fp4_trace_all") or not qat:
             continue
         parts = []
@@ -461,10 +461,7 @@ def qat_overheads(agg: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 parts.append(f"{label} {t:.3g} s against {q:.3g} s, {100 * (t / q - 1):+.1f} %")
         if parts:
             n = f"{a['time/step_s']['n']} / {qat['time/step_s']['n']} seeds"
-            out.append(
-                f"{mode} against {' '.join(filter(None, ('fp4_qat', rest)))} ({n}): "
-                + "; ".join(parts)
-            )
+            out.append(f"{mode} against {qat_mode} ({n}): " + "; ".join(parts))
     return out
 
 

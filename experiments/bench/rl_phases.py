@@ -1,8 +1,7 @@
 """Per-phase seconds of RL runs from their ``metrics.jsonl``: the median over the RL steps after
 the first (which compiles), one row per run, and reward / eval reward / mismatch at the end;
 before the table, the device and commit of each run's processes and its greedy evaluations by
-RL step; after it, each TRACE run's median step
-time against each vanilla QAT run's.
+RL step; after it, each TRACE run's median step time against each vanilla QAT run's.
 
     python experiments/bench/rl_phases.py runs/medium-bf16 runs/medium-trace ...
 """
