@@ -508,7 +508,7 @@ def origins(data: Mapping) -> str:
             if lines
             else ""
         )
-    commits = Counter(_commit(p) for p in lines)
+    commits = Counter(f"`{runlog.code_label(p)}`" for p in lines)
     devices = Counter(p.get("device", "unknown") for p in lines)
     listed = lambda d: ", ".join(f"{k} ({n})" for k, n in sorted(d.items()))  # noqa: E731
     code = (
@@ -522,13 +522,6 @@ def origins(data: Mapping) -> str:
         else f"**on several kinds of device** (timings not comparable): {listed(devices)}"
     )
     return f"{code}, {where}."
-
-
-def _commit(p: Mapping[str, Any]) -> str:
-    """A provenance line's commit as shown: short hash, ``+dirty`` for changed tracked files."""
-    if not p.get("commit"):
-        return "unknown"
-    return f"`{p['commit'][:7]}`" + (" +dirty" if p.get("dirty") else "")
 
 
 def _cell(stat: Mapping[str, float] | None) -> str:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for d in args.run_dirs:  # where each ran and its learning curves first: the table last
         for p in runlog.read_provenance(d):
-            commit = (p["commit"] or "unknown")[:7] + (" +dirty" if p["dirty"] else "")
+            commit = runlog.code_label(p)
             print(f"{Path(d).name} from step {p['first_step']}: {p['device']}, commit {commit}")
         for key in ("eval/reward", "eval/reward_bf16"):
             curve = eval_curve(Path(d), key)

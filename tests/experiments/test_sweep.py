@@ -211,7 +211,8 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     # ... and one that ran at another commit, on another device
     (origin,) = json.loads(results.read_text())["provenance"]
     assert "ran at commit" in table  # the sweep's own cells: one commit, one device
-    other = {**origin, "commit": "0123456789abcdef", "dirty": True, "device": "Other GPU"}
+    other = {**origin, "commit": "0123456789abcdef", "dirty": True, "tree": None}
+    other["device"] = "Other GPU"
     results.write_text(json.dumps({**json.loads(results.read_text()), "provenance": [other]}))
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r2")]) == 0
     flagged = (tmp_path / "r2" / "report.md").read_text()
@@ -223,7 +224,7 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     assert f"`{CELLS[1]}` (`ffffffffffffffff`)" in flagged
     assert (
         "**The finished cells ran at several commits** (processes)" in flagged
-        and "`0123456` +dirty (1)" in flagged
+        and "`0123456 +dirty` (1)" in flagged
     )
     assert (
         "**on several kinds of device** (timings not comparable): "

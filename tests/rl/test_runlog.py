@@ -1,5 +1,7 @@
 """The run's own curves: which points each metric's line has."""
 
+import subprocess
+
 from trace_jax.rl import runlog
 
 RECORDS = [
@@ -14,3 +16,44 @@ def test_the_eval_curve_starts_with_the_evaluation_before_rl():
     assert runlog.curve_points(RECORDS, "eval/reward") == [(1, 0.25), (3, 0.5)]
     assert runlog.curve_points(RECORDS, "reward") == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert runlog.curve_points(RECORDS, "sft/loss") == [(0, 2.0)]
+
+
+def _git(repo, *args):
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env |= {"GIT_COMMITTER_EMAIL": "t@t", "HOME": str(repo)}
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_checkout_with_a_stale_head_is_named_by_the_commit_of_its_files(tmp_path, monkeypatch):
+    """A GPU machine's copy of the working tree can carry an older ``.git``: its HEAD and
+    ``dirty`` then say nothing of what ran; the files' tree names the commit they are."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("runs/\n")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "A")
+    old = _git(repo, "rev-parse", "HEAD")
+    (repo / "a.py").write_text("x = 2\n")
+    _git(repo, "commit", "-qam", "B")
+    new, new_tree = _git(repo, "rev-parse", "HEAD"), _git(repo, "rev-parse", "HEAD^{tree}")
+    _git(repo, "branch", "b")  # the repository that reads the record holds B
+    _git(repo, "reset", "-q", "--soft", old)  # HEAD back at A, B's files on disk
+    (repo / "runs").mkdir()
+    (repo / "runs" / "out.txt").write_text("ignored\n")
+    monkeypatch.setattr(runlog, "_ROOT", repo)
+    runlog._commits_by_tree.cache_clear()
+    objects = sorted(p.name for p in (repo / ".git" / "objects").rglob("*"))
+    origin = runlog.provenance()
+    assert origin["commit"] == old and origin["dirty"] and origin["tree"] == new_tree
+    assert sorted(p.name for p in (repo / ".git" / "objects").rglob("*")) == objects  # unwritten
+    assert runlog.code_label(origin) == new[:7]
+    # files that are no commit's: the recorded HEAD, marked
+    (repo / "b.py").write_text("y = 3\n")  # untracked files travel with a copy, and count
+    origin = runlog.provenance()
+    assert origin["tree"] != new_tree and runlog.code_label(origin) == f"{old[:7]} +dirty"
+    assert runlog.code_label({}) == "unknown"
+    runlog._commits_by_tree.cache_clear()

@@ -12,11 +12,14 @@ the command.
 from __future__ import annotations
 
 import datetime
+import functools
 import gzip
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -344,20 +347,66 @@ PROVENANCE = "provenance.jsonl"
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout the package runs from
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, env: Mapping[str, str] | None = None) -> str | None:
+    """``git -C <checkout> args`` (``env``: variables added)'s output; None where it fails."""
     try:
         out = subprocess.run(
-            ["git", "-C", str(_ROOT), *args], capture_output=True, text=True, timeout=30
+            ["git", "-C", str(_ROOT), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **env} if env else None,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def worktree_tree() -> str | None:
+    """The git tree id of the files the checkout holds (tracked and untracked, not ignored), as
+    they are on disk: the tree of the commit whose files these are, whatever HEAD the checkout
+    records (a copy of the working tree, as a GPU machine is sent, can carry an older ``.git``).
+    Hashed into a temporary index and object folder: the repository is not written. None
+    outside a git checkout."""
+    objects = _git("rev-parse", "--path-format=absolute", "--git-path", "objects")
+    if objects is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            "GIT_INDEX_FILE": os.path.join(tmp, "index"),
+            "GIT_OBJECT_DIRECTORY": os.path.join(tmp, "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects,
+        }
+        os.mkdir(env["GIT_OBJECT_DIRECTORY"])
+        if _git("add", "-A", env=env) is None:
+            return None
+        return _git("write-tree", env=env)
+
+
+@functools.cache
+def _commits_by_tree() -> dict[str, str]:
+    """The local repository's commits (every ref's history) by their tree id."""
+    log = _git("log", "--all", "--format=%T %H") or ""
+    return dict(line.split() for line in log.splitlines())  # newest first: the oldest stays
+
+
+def code_label(p: Mapping[str, Any]) -> str:
+    """A provenance line's code as shown: the short hash of this repository's commit whose files
+    the process ran (by its ``tree``), else its checkout's HEAD with ``+dirty`` where tracked
+    files differed from it; "unknown" where neither was recorded."""
+    commit = _commits_by_tree().get(p.get("tree") or "")
+    if commit:
+        return commit[:7]
+    if not p.get("commit"):
+        return "unknown"
+    return p["commit"][:7] + (" +dirty" if p.get("dirty") else "")
+
+
 def provenance() -> dict[str, Any]:
-    """What this process runs: ``commit`` (the checkout's HEAD; None outside a git checkout) and
-    ``dirty`` (tracked files differ from it), ``device`` (kind of the first device), ``devices``,
-    ``jax``, ``date`` (UTC) and ``command``."""
+    """What this process runs: ``commit`` (the checkout's HEAD; None outside a git checkout),
+    ``dirty`` (tracked files differ from it), ``tree`` (``worktree_tree``: the files' git tree,
+    which names the commit they are where HEAD is stale), ``device`` (kind of the first device),
+    ``devices``, ``jax``, ``date`` (UTC) and ``command``."""
     import jax
 
     commit = _git("rev-parse", "HEAD")
@@ -365,6 +414,7 @@ def provenance() -> dict[str, Any]:
     return {
         "commit": commit,
         "dirty": dirty,
+        "tree": worktree_tree(),
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "jax": jax.__version__,
