@@ -77,10 +77,15 @@ STEPS=(
   "matmul-bounds|200|$PY $BENCH/fp4_matmul.py --bounds --ms 1,16,64"
   "matmul-dispatch|400|$PY $BENCH/fp4_matmul.py --dispatch --ms 1,16,64,128,256"
   "rollout-qwen3|500|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 4 --engines bf16,trace,bf16-pallas --batches 32 --prompt 64 --gens 128 --mode full --repeats 2"
-  # the whole model (48 layers), then 30 (where every BF16 configuration fits an 80 GB H100 by
-  # the weights and state: 73.4 GB at batch 64 x 8,704): the BF16 programs and the 30-layer ones
-  # compile beside the FP4 engine's (rollout.py --compile-only; an unrolled 48-layer program takes minutes)
-  "rollout-full|565|export XLA_PYTHON_CLIENT_PREALLOCATE=false; R=\"$PY $BENCH/rollout.py --preset qwen3-30b-a3b --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1 --cache-dir \$JAX_COMPILATION_CACHE_DIR\"; \$R --engines bf16-pallas --compile-only & \$R --layers 30 --engines w4a16,bf16-pallas --compile-only & timeout 430 \$R --engines w4a16,bf16-pallas --json $OUT/rollout-full.json; \$R --layers 30 --engines w4a16,bf16-pallas --json $OUT/rollout-full-30.json"
+  # the whole model's FP4 engine (48 layers, 37.8 GB of weights: it fits an 80 GB H100), then
+  # both engines at 30 layers (where every BF16 configuration fits an H100), whose programs
+  # compile beside the first run (rollout.py --compile-only; that run, without --cache-dir,
+  # does not wait for them; the second loads them). The BF16 whole model: rollout-full-bf16.
+  "rollout-full|565|export XLA_PYTHON_CLIENT_PREALLOCATE=false; R=\"$PY $BENCH/rollout.py --preset qwen3-30b-a3b --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1\"; C=\"--cache-dir \$JAX_COMPILATION_CACHE_DIR\"; \$R --layers 30 --engines w4a16,bf16-pallas --compile-only \$C & timeout 300 \$R --engines w4a16 --json $OUT/rollout-full.json; timeout 240 \$R --layers 30 --engines w4a16,bf16-pallas \$C --json $OUT/rollout-full-30.json"
+  # the BF16 whole model (61.1 GB of weights; at 8 k generation only an H200 holds its cache):
+  # its unrolled 48-layer decode program compiles for minutes (on an H100 beside two other
+  # compiling processes, unfinished after 9 minutes; at 30 layers 74 s to lower, 145 s to compile)
+  "rollout-full-bf16|565|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1 --json $OUT/rollout-full-bf16.json"
   "rollout-full-w4a4|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a4 --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-w4a4.json"
   "rollout-full-128|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-128.json"
   "rollout-layers|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 16 --engines w4a16,bf16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-layers.json"

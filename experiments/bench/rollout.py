@@ -455,6 +455,8 @@ def run_engine(name: str, args, cfg: ModelConfig) -> dict:
     if model is None:
         return out
     kind = out["device"]
+    if args.child:  # the device, weights and build time, kept where the process is stopped later
+        print("RESULT " + json.dumps(out), flush=True)
     label = f"{name} on {kind}"
     jobs = [(f"{label}, batch {b}, gens {g}", eng, b) for b, _, g, eng, _ in queue if eng]
     precompile(jobs, args.cache_dir)
@@ -880,10 +882,11 @@ def _write_json(args, results: list[dict]) -> None:
 
 
 def report(results: list[dict], cfg: ModelConfig, args) -> None:
-    kind = next((r["device"] for r in results if "device" in r), "unknown device")
+    kind = next((r["device"] for r in results if "device" in r), None)
     layers = "" if args.layers is None else f" (layers: {args.layers})"
+    counted = "counted" if kind else "counted: no engine reported its device"
     print(
-        f"device: {kind} (HBM {hbm_peak(kind) / 1e12:.2f} TB/s counted); "
+        f"device: {kind or 'unknown'} (HBM {hbm_peak(kind or '') / 1e12:.2f} TB/s {counted}); "
         f"preset {args.preset}{layers}; prompt {args.prompt}; mode {args.mode}, window "
         f"{args.window}, repeats {args.repeats}; attention {args.attention}"
     )

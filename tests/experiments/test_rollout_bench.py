@@ -63,6 +63,13 @@ def test_window_and_full_runs(capsys):
     out = capsys.readouterr().out
     assert "w4a4-xla         2      8" in out and "bf16             2      4" in out
     assert "floor bytes per decode step" in out
+    assert f"device: {jax.devices()[0].device_kind} (HBM " in out
+    # an engine stopped before it reported its device: the bandwidth counted says it is a default
+    stopped = dict(engine=ENGINE, rows=[], memory=[], profile=[], error="stopped (time limit)")
+    rollout.report([stopped], ModelConfig.preset("tiny"), rollout.parse_args(TINY))
+    assert "device: unknown (HBM 4.80 TB/s counted: no engine reported its device)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_profile_reaches_every_stand_in(monkeypatch):
