@@ -269,7 +269,7 @@ def report(
     sweep_dir = Path(sweep_dir)
     data = sweep_data(sweep_dir)
     if not data["modes"]:
-        raise ConfigError(f"{sweep_dir}: no cell has finished (results.json) yet")
+        raise ConfigError(f"{sweep_dir}: no cell has finished yet (run all its steps)")
     if reference is not None:
         data["reference"] = sweep_data(Path(reference))
         theirs, ours = data["reference"]["warm_start"], data["warm_start"]

@@ -418,7 +418,9 @@ def archive(sweep_dir: str | Path, dest: str | Path) -> int:
     if not file.is_file():
         raise ConfigError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})")
     record = yaml.safe_load(file.read_text())
-    ws = Path(record.get("warm_start_dir") or sweep_dir / WARM_START)
+    ws = sweep_dir / WARM_START  # its own (the default), also where the folder has moved here
+    if not ws.is_dir():  # (from a GPU machine: the path recorded was the machine's), else the
+        ws = Path(record.get("warm_start_dir") or ws)  # shared one the record names
     record["warm_start_dir"] = str(dest / WARM_START)
     old = dest / SWEEP_FILE
     if old.is_file():

@@ -5,6 +5,7 @@ metrics files."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -180,6 +181,16 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     archived = json.loads((tmp_path / "r-kept" / "report.json").read_text())
     assert archived == agg
     assert f"sha256 `{start[:16]}`)" in (tmp_path / "r-kept" / "report.md").read_text()
+    # records brought from a GPU machine: the warm start's path recorded there is not one here
+    moved = tmp_path / "moved"
+    shutil.copytree(kept, moved)
+    record = yaml.safe_load((moved / SWEEP_FILE).read_text())
+    record["warm_start_dir"] = "runs/sweeps/on-the-gpu-machine/warm_start"
+    (moved / SWEEP_FILE).write_text(yaml.safe_dump(record))
+    assert main(["archive", str(moved), str(tmp_path / "kept2")]) == 0
+    assert (tmp_path / "kept2" / "warm_start" / "results.json").read_bytes() == (
+        kept / "warm_start" / "results.json"
+    ).read_bytes()
     # another sweep's references: only from the same warm start
     args = ["report", str(sweep_dir), "--reference", str(kept), "--out", str(tmp_path / "r3")]
     assert main(args) == 0
