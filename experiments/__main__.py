@@ -53,6 +53,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         args.warm_start_only,
         args.jobs,
         args.budget_min,
+        args.min_cell_min,
     )
 
 
@@ -89,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="minutes for the whole sweep: cells end by then, checkpointed (0: no bound)",
+    )
+    sweep_p.add_argument(
+        "--min-cell-min",
+        type=float,
+        default=None,
+        help="with --budget-min: start no new cell with fewer minutes left (a machine that "
+        "will not outlive the call loses what a cut cell did); a begun one continues",
     )
     sweep_p.add_argument(
         "--warm-start-only", action="store_true", help="run only the shared warm start"

@@ -32,7 +32,9 @@ a machine (the GPU calls) it is run again on the next start, and a finished cell
 ``--budget-min M`` bounds the whole sweep's wall clock (a GPU call's): each cell runs with
 ``time_limit_min`` at most the minutes left, so the cell under way when the budget ends stops
 evaluated and checkpointed (the same command continues it where its folder survives), and no
-cell starts with less than ``MIN_CELL_MIN`` minutes left.
+cell starts with less than ``MIN_CELL_MIN`` minutes left; ``--min-cell-min M``: no cell not yet
+begun starts with less than M (on a machine that will not outlive the call, a cell cut at
+its end is lost), while a begun one still continues.
 
 ``--jobs N`` runs up to N cells at once, each in its own process (``python -m experiments sweep
 <file> --only <cell>``, its output in ``<sweep_dir>/logs/<cell>.log``) with a share of the GPU's
@@ -257,11 +259,14 @@ def run_sweep(
     warm_start_only: bool = False,
     jobs: int = 1,
     budget_min: float = 0.0,
+    min_cell_min: float | None = None,
 ) -> int:
     """Run (or with ``dry_run`` list) the warm start and the cells matching ``only`` (a glob on
     cell names; none with ``warm_start_only``), ``jobs`` cells at a time (above 1: each in its
-    own process, ``run_parallel``), within ``budget_min`` minutes (0: no bound). Returns 0, or
-    1 when a cell failed."""
+    own process, ``run_parallel``), within ``budget_min`` minutes (0: no bound), starting no
+    cell not yet begun with fewer than ``min_cell_min`` of them left (default
+    ``MIN_CELL_MIN``; a begun one continues with that much). Returns 0, or 1 when a cell
+    failed."""
     from experiments.runner import execute
 
     started = time.monotonic()
@@ -270,6 +275,11 @@ def run_sweep(
     if budget_min < 0 or (budget_min and jobs > 1):
         raise ConfigError(
             f"--budget-min: a positive number of minutes with --jobs 1, got {budget_min}"
+        )
+    if min_cell_min is not None and not (budget_min and min_cell_min >= MIN_CELL_MIN):
+        raise ConfigError(
+            f"--min-cell-min: at least {MIN_CELL_MIN:g} minutes, with --budget-min, got "
+            f"{min_cell_min:g}"
         )
     cells = [c for c in sweep.cells if only is None or fnmatch.fnmatchcase(c.name, only)]
     if not cells:
@@ -318,6 +328,10 @@ def run_sweep(
             if left < MIN_CELL_MIN:
                 print(f"--budget-min {budget_min:g}: {left:.1f} min left, no cell started")
                 break
+            begun = (run_dir / "checkpoints").is_dir()  # else it starts from the warm start
+            if min_cell_min and not begun and left < min_cell_min:
+                print(f"=== {run_dir}: not started, {left:.1f} min left (--min-cell-min)")
+                continue
             if not cfg.time_limit_min or cfg.time_limit_min > left:
                 cfg = dataclasses.replace(cfg, time_limit_min=left)
         print(f"\n=== {run_dir} ({i + 1}/{len(cells)}, {state})")

@@ -16,7 +16,7 @@ RUN="$PY -m experiments run"
 MEDIUM=${RECIPE:-configs/reasoning/medium.yaml}  # the RL steps' recipe (RECIPE: another preset's)
 PHASES="$PY $BENCH/rl_phases.py"
 # The suite's own helpers are lower case: the knobs a caller sets (RECIPE, WS, WS_MAP, RL_MIN,
-# RL_ARGS, SWEEP, ONLY, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
+# RL_ARGS, SWEEP, ONLY, MIN_CELL, CACHE_MB, OUT, PYTHON) are upper case and reach the steps as they were given.
 # a run's records (metrics, results, curves; not its parameters) into $OUT/<run>.tgz
 keep="keep() { tar czf $OUT/\$(basename \$1).tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill \$1; }; keep"
 # the recipe's warm start, made once per machine (runs/ws-modes) for the steps that start from it
@@ -160,11 +160,13 @@ STEPS=(
   # a study's cells (issue 28): SWEEP (default the modes' sweep), ONLY (a glob of its cells),
   # one after another within RL_MIN minutes (`sweep --budget-min`: the cell under way then stops
   # checkpointed, and the next call continues it while the machine is warm; two cells at once
-  # made each twice as slow on an H200, RESULTS.md 2026-12-07); the sweep's records (no
+  # made each twice as slow on an H200, RESULTS.md 2026-12-07); MIN_CELL (minutes, default 1):
+  # no new cell starts with fewer left (a session's last call: a cut cell is lost with the
+  # machine, so leave its minutes to a step after this one); the sweep's records (no
   # parameters) come back in $OUT/study.tgz: untar them here, `python -m experiments archive
   # runs/sweeps/<name> docs/results/sweeps/<name>` (cells of every call merged), then `report`
   # (the call's own report, of the cells on this machine, comes back in $OUT/study-report)
-  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --budget-min \${RL_MIN:-8.5} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps; d=runs/sweeps/\$(basename \${SWEEP:-reasoning_modes} .yaml); $PY -m experiments report \$d --out $OUT/study-report > $OUT/study-report.log 2>&1 && grep '^|' $OUT/study-report/report.md | head -12"
+  "study|575|$PY -m experiments sweep \${SWEEP:-configs/sweeps/reasoning_modes.yaml} --only \"\${ONLY:-*}\" --budget-min \${RL_MIN:-8.5} --min-cell-min \${MIN_CELL:-1} > $OUT/study.log 2>&1; echo rc=\$?; tail -25 $OUT/study.log; tar czf $OUT/study.tgz --exclude=checkpoints --exclude=policy --exclude=guidance_spill runs/sweeps; d=runs/sweeps/\$(basename \${SWEEP:-reasoning_modes} .yaml); $PY -m experiments report \$d --out $OUT/study-report > $OUT/study-report.log 2>&1 && grep '^|' $OUT/study-report/report.md | head -12"
   # two BF16 cells of the recipe at once on one GPU (what `sweep --jobs 2` does), 40 steps each:
   # their step times against one alone (1.55 s) say whether a study call should run cells in pairs
   # (memory.plan puts a cell at 33-40 GiB, each process here gets 0.45 of the GPU: 33 GiB of an

@@ -439,6 +439,20 @@ def test_a_budget_ends_the_sweep_in_time(tmp_path, monkeypatch, capsys, small_ya
     ]
     assert "--budget-min 14: -2.0 min left, no cell started" in capsys.readouterr().out
     assert main(["sweep", spec, "--budget-min", "5", "--jobs", "2"]) == 2
+    assert main(["sweep", spec, "--min-cell-min", "5"]) == 2  # only within a budget
+    # --min-cell-min: a cell not begun needs that many minutes; a begun one (checkpointed)
+    # continues with less
+    for cell in CELLS:
+        shutil.rmtree(tmp_path / "sweep" / cell, ignore_errors=True)
+    (tmp_path / "sweep" / CELLS[2] / "checkpoints").mkdir(parents=True)
+    limits.clear()
+    assert main(["sweep", spec, "--budget-min", "10", "--min-cell-min", "5"]) == 0
+    assert limits == [
+        ("warm_start", 7.0),  # (the stand-in leaves no finished warm start: it runs again)
+        (CELLS[0], 6.0),  # 6 left
+        (CELLS[2], 2.0),  # 2 left: CELLS[1] not started, the begun CELLS[2] continued
+    ]
+    assert f"{CELLS[1]}: not started, 2.0 min left (--min-cell-min)" in capsys.readouterr().out
 
 
 def test_report_sets_trace_against_qat_of_the_same_other_grid_values():
