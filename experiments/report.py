@@ -307,7 +307,8 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         "evaluation (end), with the rollout's precision and (`eval_bf16`) in BF16, as the "
         "BF16 reference evaluates. Train reward: the sampled rollouts, over the first and last "
         "fifth of the RL steps. Mismatch and code columns: mean of the last fifth. Throughput "
-        "and step time: mean over the RL steps after the first (which compiles).",
+        "and step time: mean over the RL steps after the first that compiled nothing (a new "
+        "program's compilation is no phase's cost).",
         "",
     ]
     cols = [(k, label) for k, label in TABLE_COLUMNS if any(k in a for a in agg.values())]
@@ -732,7 +733,8 @@ def plot_sweep(data: Mapping, out: Path) -> list[Path]:
         axes[1].set_xticks(range(len(names)), labels, rotation=30, ha="right", fontsize=8)
         axes[1].set_ylabel("seconds per RL step")
         axes[1].set_title(
-            "time per phase (mean over the RL steps after the first; error bar: ± 1 sd over seeds)",
+            "time per phase (mean over the RL steps that compiled nothing; error bar: ± 1 sd "
+            "over seeds)",
             fontsize=10,
         )
         axes[1].legend(fontsize=8)

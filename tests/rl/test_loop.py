@@ -92,6 +92,7 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, m
     assert [r["step"] for r in raw] == list(range(4))
     assert "sft/loss" in raw[0] and "mismatch/logp_abs" in raw[1] and "eval/reward" in raw[2]
     assert raw[0]["sft/step_s"] > 0  # the warm start timed too
+    assert raw[1]["compile_s"] > 0  # the first RL step compiles its programs
     assert raw[1]["guidance/bytes_per_token"] > 0
     # two versions stale: the first RL steps sample with the warm-started parameters; each
     # sample is trained with its own version's guidance: at lag 0 it gives the rollout's codes,

@@ -57,3 +57,42 @@ def test_a_checkout_with_a_stale_head_is_named_by_the_commit_of_its_files(tmp_pa
     assert origin["tree"] != new_tree and runlog.code_label(origin) == f"{old[:7]} +dirty"
     assert runlog.code_label({}) == "unknown"
     runlog._commits_by_tree.cache_clear()
+
+
+def test_the_phase_means_leave_out_the_steps_that_compiled():
+    # RL steps: the first (compiles), a steady one, one that met a new program (e.g. a new
+    # trainer width under trim_padding), a steady one
+    records = [
+        {"step": 0, "reward": 0.0, "step_s": 30.0, "rollout/decode_s": 9.0, "compile_s": 29.0},
+        {"step": 1, "reward": 0.0, "step_s": 1.0, "rollout/decode_s": 0.25, "compile_s": 0.0},
+        {"step": 2, "reward": 0.0, "step_s": 12.0, "rollout/decode_s": 0.25, "compile_s": 11.0},
+        {"step": 3, "reward": 0.0, "step_s": 2.0, "rollout/decode_s": 0.75, "compile_s": 0.0},
+    ]
+    summary = runlog.summarize(records)
+    assert summary["time/step_s"] == 1.5 and summary["time/rollout/decode_s"] == 0.5
+    assert summary["timed_steps"] == 2 and "time/compile_s" not in summary  # no phase
+    rows = {key: label for key, label, _ in runlog.summary_rows(summary)}
+    assert (
+        rows["time/step_s"]
+        == "step_s: mean seconds a step over the 2 RL steps that compiled nothing"
+    )
+    # every step after the first compiled: their means, not none
+    every = [{**r, "compile_s": 1.0} for r in records]
+    assert runlog.summarize(every)["time/step_s"] == 5.0
+    # records from before the key: the steps after the first
+    old = [{k: v for k, v in r.items() if k != "compile_s"} for r in records]
+    assert runlog.summarize(old)["time/step_s"] == 5.0
+
+
+def test_compile_seconds_count_a_new_program_and_not_a_cached_one():
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+    x = jnp.ones(7)
+    y = x + 1.0  # (an eager op is a program too: made before the count starts)
+    runlog.compile_seconds()
+    f(x).block_until_ready()
+    assert runlog.compile_seconds() > 0
+    f(y).block_until_ready()  # the same program
+    assert runlog.compile_seconds() == 0.0

@@ -726,6 +726,7 @@ class RLRun:
         version = max(rl_index - cfg.staleness, 0)
         lo, hi = self._rows(p)  # this process's prompts: whole groups
         t_step = time.perf_counter()
+        runlog.compile_seconds()  # from here: what this step compiles
         batch, rewards, times = self.collect(rollout_params, step, problems[lo:hi], cache, version)
         ref = self.ref_params
         if ref is not None and cfg.ref_on_host:
@@ -751,6 +752,7 @@ class RLRun:
                     v for k, v in m.items() if k.startswith("train/") and k.endswith("_s")
                 ),
                 "step_s": self._slowest({"s": time.perf_counter() - t_step})["s"],
+                runlog.COMPILE_KEY: self._slowest({"s": runlog.compile_seconds()})["s"],
                 "policy_version_lag": float(rl_index - version),
             }
         )

@@ -200,6 +200,34 @@ LAST_FIFTH = (
 
 # Constant through a run (its last value is the run's): TRACE's guidance per token, compact, full.
 LAST = ("guidance/bytes_per_token", "guidance/full_bytes_per_token", "guidance/ratio_to_full")
+# A step's seconds of making programs (``compile_seconds``): the steps with some are left out of
+# the phases' means (a new program's compilation is no phase's cost), and it is no phase
+COMPILE_KEY = "compile_s"
+# JAX's monitoring events of making a program: its lowering to MLIR and the backend's
+# compilation (or load from the persistent cache). Neither nests (tracing, which does, is out).
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compiling = {"seconds": 0.0, "listening": False}
+
+
+def _on_event(event: str, duration: float, **_: Any) -> None:
+    if event in COMPILE_EVENTS:
+        _compiling["seconds"] += duration
+
+
+def compile_seconds() -> float:
+    """Seconds this process's JAX spent lowering and compiling programs (``COMPILE_EVENTS``)
+    since the last call (the first call starts the count and returns 0)."""
+    if not _compiling["listening"]:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _compiling["listening"] = True
+    seconds, _compiling["seconds"] = _compiling["seconds"], 0.0
+    return seconds
+
 
 # Shares of the code mismatches of a step: undefined (NaN) at a step without mismatches.
 SHARES_OF_MISMATCHES = ("mismatch/code_one_step/", "mismatch/code_far/")
@@ -225,7 +253,9 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
       the ``LAST`` keys (guidance bytes per token, compact and full, and their ratio): the
         last value logged.
       time/<key>: for every logged ``<key>`` ending in ``_s`` (seconds of a phase), its mean over
-        the RL steps after the first (which compiles); ``rate/<key>`` likewise for ``_per_s``.
+        the RL steps after the first that compiled nothing (``COMPILE_KEY``: a new trainer width
+        under ``trim_padding``, a resumed run's first step; all after the first where each
+        compiled); ``rate/<key>`` likewise for ``_per_s``; ``timed_steps``: their count.
     """
     rl = [r for r in records if "reward" in r]
     n = len(rl)
@@ -249,8 +279,9 @@ def summarize(records: Sequence[Mapping[str, Any]], eval_split: str = "eval") ->
         **{f"{key}/last_fifth": mean(key, rl[-k:]) for key in LAST_FIFTH},
         **{key: next((r[key] for r in reversed(rl) if key in r), None) for key in LAST},
     }
-    timed = rl[1:] if n > 1 else rl
-    for key in sorted({key for r in rl for key in r if key.endswith("_s")}):
+    timed = [r for r in rl[1:] if not r.get(COMPILE_KEY)] or (rl[1:] if n > 1 else rl)
+    out["timed_steps"] = len(timed)
+    for key in sorted({key for r in rl for key in r if key.endswith("_s")} - {COMPILE_KEY}):
         group = "rate" if key.endswith("_per_s") else "time"
         stats[f"{group}/{key}"] = mean(key, timed)
     out.update({key: float(v) for key, v in stats.items() if v is not None})
@@ -275,11 +306,13 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, float]]:
         "guidance/ratio_to_full": "compact / full guidance",
     }
     rows = [(key, label, summary[key]) for key, label in labels.items() if key in summary]
+    n = summary.get("timed_steps")
+    steps = f"the {'' if n is None else f'{n} '}RL steps that compiled nothing"
     for key in sorted(summary):
         if key.startswith("time/"):
-            rows.append((key, f"{key[5:]}: mean seconds per RL step after the first", summary[key]))
+            rows.append((key, f"{key[5:]}: mean seconds a step over {steps}", summary[key]))
         elif key.startswith("rate/"):
-            rows.append((key, f"{key[5:]}: mean over the RL steps after the first", summary[key]))
+            rows.append((key, f"{key[5:]}: mean over {steps}", summary[key]))
     return rows
 
 
