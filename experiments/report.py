@@ -173,7 +173,7 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
     """The cells of a sweep directory by mode: ``{"modes": {mode: [cell, ...]}, "cells":
     {cell: {"state", "mode", "seed", "records", "summary"}}, "sweep": sweep.yaml}``. A mode is
     a cell's grid values other than ``seed``; only finished cells carry records."""
-    from experiments.sweep import SWEEP_FILE, cell_state
+    from experiments.sweep import SWEEP_FILE, cell_state, warm_start_here
 
     file = sweep_dir / SWEEP_FILE
     if not file.is_file():
@@ -204,7 +204,7 @@ def sweep_data(sweep_dir: Path) -> dict[str, Any]:
             )
             modes.setdefault(cell["mode"], []).append(name)
         cells[name] = cell
-    ws = Path(sweep.get("warm_start_dir") or sweep_dir / "warm_start") / "results.json"
+    ws = warm_start_here(sweep_dir, sweep.get("warm_start_dir")) / "results.json"
     start = json.loads(ws.read_text()).get("start_policy_sha256") if ws.is_file() else None
     return {"sweep": sweep, "modes": modes, "cells": cells, "warm_start": start}
 

@@ -421,6 +421,21 @@ def run_parallel(sweep: Sweep, cells: Sequence[Cell], jobs: int, allow_change: b
 ARCHIVED = ("config*.yaml", "results.json", runlog.PROVENANCE, ERROR_FILE)
 
 
+def warm_start_here(sweep_dir: Path, recorded: str | None) -> Path:
+    """The warm start of the sweep in ``sweep_dir`` as found here: its own folder (the
+    default), else the one ``recorded`` in its ``sweep.yaml``; a relative path recorded on
+    another machine (a GPU call's ``runs/sweeps/...``, brought back under some folder here) is
+    looked up from each folder above ``sweep_dir`` too."""
+    own = sweep_dir / WARM_START
+    if own.is_dir() or not recorded:
+        return own
+    path = Path(recorded)
+    if path.is_absolute() or path.is_dir():
+        return path
+    found = (a / path for a in sweep_dir.resolve().parents if (a / path).is_dir())
+    return next(found, path)
+
+
 def archive(sweep_dir: str | Path, dest: str | Path) -> int:
     """Copy a sweep's records (``sweep.yaml``; per cell and for the warm start: settings,
     ``results.json``, ``error.txt``, ``metrics.jsonl`` gzipped; no parameters, checkpoints or
@@ -432,9 +447,7 @@ def archive(sweep_dir: str | Path, dest: str | Path) -> int:
     if not file.is_file():
         raise ConfigError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})")
     record = yaml.safe_load(file.read_text())
-    ws = sweep_dir / WARM_START  # its own (the default), also where the folder has moved here
-    if not ws.is_dir():  # (from a GPU machine: the path recorded was the machine's), else the
-        ws = Path(record.get("warm_start_dir") or ws)  # shared one the record names
+    ws = warm_start_here(sweep_dir, record.get("warm_start_dir"))
     record["warm_start_dir"] = str(dest / WARM_START)
     old = dest / SWEEP_FILE
     if old.is_file():

@@ -191,6 +191,22 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     assert (tmp_path / "kept2" / "warm_start" / "results.json").read_bytes() == (
         kept / "warm_start" / "results.json"
     ).read_bytes()
+    # ... and one whose warm start is another sweep's folder (a path relative to where the
+    # machine ran it), brought back under runs/sweeps/ beside it
+    brought = tmp_path / "brought" / "runs" / "sweeps"
+    shutil.copytree(kept / "warm_start", brought / "other" / "warm_start")
+    shutil.copytree(moved, brought / "this")
+    shutil.rmtree(brought / "this" / "warm_start")
+    record["warm_start_dir"] = "runs/sweeps/other/warm_start"
+    (brought / "this" / SWEEP_FILE).write_text(yaml.safe_dump(record))
+    assert main(["archive", str(brought / "this"), str(tmp_path / "kept3")]) == 0
+    assert main(["report", str(brought / "this"), "--out", str(tmp_path / "r-brought")]) == 0
+    assert "Every finished cell started RL from the warm start's parameters" in (
+        tmp_path / "r-brought" / "report.md"
+    ).read_text()
+    assert (tmp_path / "kept3" / "warm_start" / "results.json").read_bytes() == (
+        kept / "warm_start" / "results.json"
+    ).read_bytes()
     # another sweep's references: only from the same warm start
     args = ["report", str(sweep_dir), "--reference", str(kept), "--out", str(tmp_path / "r3")]
     assert main(args) == 0
