@@ -201,9 +201,10 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     (brought / "this" / SWEEP_FILE).write_text(yaml.safe_dump(record))
     assert main(["archive", str(brought / "this"), str(tmp_path / "kept3")]) == 0
     assert main(["report", str(brought / "this"), "--out", str(tmp_path / "r-brought")]) == 0
-    assert "Every finished cell started RL from the warm start's parameters" in (
-        tmp_path / "r-brought" / "report.md"
-    ).read_text()
+    assert (
+        "Every finished cell started RL from the warm start's parameters"
+        in (tmp_path / "r-brought" / "report.md").read_text()
+    )
     assert (tmp_path / "kept3" / "warm_start" / "results.json").read_bytes() == (
         kept / "warm_start" / "results.json"
     ).read_bytes()
