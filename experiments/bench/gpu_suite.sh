@@ -161,7 +161,7 @@ STEPS=(
   # one after another within RL_MIN minutes (`sweep --budget-min`: the cell under way then stops
   # checkpointed, and the next call continues it while the machine is warm; two cells at once
   # made each twice as slow on an H200, RESULTS.md 2026-12-07); MIN_CELL (minutes, default 1):
-  # no new cell starts with fewer left (a session's last call: a cut cell is lost with the
+  # no new cell starts with fewer left (a call after which the machine goes back: a cut cell is lost with the
   # machine, so leave its minutes to a step after this one); the sweep's records (no
   # parameters) come back in $OUT/study.tgz: untar them here, `python -m experiments archive
   # runs/sweeps/<name> docs/results/sweeps/<name>` (cells of every call merged), then `report`
