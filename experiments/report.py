@@ -337,7 +337,7 @@ def markdown(sweep_dir: Path, data: Mapping, agg: Mapping, figures: Sequence[Pat
         for mode, a in agg.items():
             lines.append(f"| {mode} | " + " | ".join(_cell(a.get(p)) for p in phases) + " |")
     lines += against_reference(data)
-    against = qat_overheads(agg)
+    against = qat_overheads(data)
     if against:
         lines += ["", "TRACE's step time against vanilla QAT's (the paper: +7.4 %):", ""]
         lines += [f"- {line}" for line in against]
@@ -444,34 +444,54 @@ def against_reference(data: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def qat_overheads(agg: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def qat_overheads(data: Mapping[str, Any]) -> list[str]:
     """Each TRACE mode's mean step time against the vanilla QAT mode of the same other grid
-    values (``fp4_trace staleness=3`` against ``fp4_qat staleness=3``): the whole step and the
-    step outside its decode loop (whose length the longest response sets)."""
+    values (``fp4_trace staleness=3`` against ``fp4_qat staleness=3``), over the finished cells
+    of each kind of GPU apart (``device``: timings of two kinds are never set side by side):
+    the whole step and the step outside its decode loop (whose length the longest response
+    sets)."""
+    by_mode: dict[str, dict[str, list[Mapping[str, float]]]] = {}
+    for mode, names in data["modes"].items():  # the finished cells of each mode
+        for c in (data["cells"][n] for n in names):
+            by_mode.setdefault(mode, {}).setdefault(device(c), []).append(c["summary"])
     out = []
-    for mode, a in agg.items():
+    for mode, kinds in by_mode.items():
         head, _, rest = mode.partition(" ")
         qat_mode = " ".join(filter(None, ("fp4_qat", rest)))
-        qat = agg.get(qat_mode)
-        if head not in ("fp4_trace", "fp4_trace_all") or not qat:
+        if head not in ("fp4_trace", "fp4_trace_all"):
             continue
-        parts = []
-        for label, value in (("step", _step_s), ("outside the decode loop", _outside_decode)):
-            t, q = value(a), value(qat)
-            if t is not None and q:
-                parts.append(f"{label} {t:.3g} s against {q:.3g} s, {100 * (t / q - 1):+.1f} %")
-        if parts:
-            n = f"{a['time/step_s']['n']} / {qat['time/step_s']['n']} seeds"
-            out.append(f"{mode} against {qat_mode} ({n}): " + "; ".join(parts))
+        for kind, cells in sorted(kinds.items()):
+            qat = by_mode.get(qat_mode, {}).get(kind)
+            if not qat:
+                continue
+            parts = []
+            for label, value in (("step", _step_s), ("outside the decode loop", _outside_decode)):
+                t, q = _mean_of(value, cells), _mean_of(value, qat)
+                if t is not None and q:
+                    parts.append(f"{label} {t:.3g} s against {q:.3g} s, {100 * (t / q - 1):+.1f} %")
+            if parts:
+                n = f"{len(cells)} / {len(qat)} seeds"
+                out.append(f"{mode} against {qat_mode} on {kind} ({n}): " + "; ".join(parts))
     return out
 
 
-def _step_s(a: Mapping[str, Any]) -> float | None:
-    return (a.get("time/step_s") or {}).get("mean")
+def device(cell: Mapping[str, Any]) -> str:
+    """The kind of GPU (or CPU) a cell ran on, by its ``provenance``."""
+    kinds = {p.get("device") for p in cell.get("provenance") or []} - {None}
+    return kinds.pop() if len(kinds) == 1 else ("several devices" if kinds else "unknown device")
 
 
-def _outside_decode(a: Mapping[str, Any]) -> float | None:
-    step, decode = _step_s(a), (a.get("time/rollout/decode_s") or {}).get("mean")
+def _mean_of(value, summaries: Sequence[Mapping[str, float]]) -> float | None:
+    got = [v for v in map(value, summaries) if v is not None]
+    return sum(got) / len(got) if got else None
+
+
+def _step_s(summary: Mapping[str, float]) -> float | None:
+    return summary.get("time/step_s")
+
+
+def _outside_decode(summary: Mapping[str, float]) -> float | None:
+    step, decode = _step_s(summary), summary.get("time/rollout/decode_s")
     return None if step is None or decode is None else step - decode
 
 

@@ -474,27 +474,36 @@ def test_a_budget_ends_the_sweep_in_time(tmp_path, monkeypatch, capsys, small_ya
 
 def test_report_sets_trace_against_qat_of_the_same_other_grid_values():
     """Mean step times (and outside the decode loop) of each TRACE mode against the QAT mode
-    that differs from it only by ``experiment``, by hand; guidance bytes a run's last."""
+    that differs from it only by ``experiment``, on one kind of GPU at a time, by hand;
+    guidance bytes a run's last."""
     from experiments.report import qat_overheads
 
-    def stats(step, decode, n=3):
-        return {
-            "time/step_s": {"mean": step, "n": n},
-            "time/rollout/decode_s": {"mean": decode, "n": n},
-        }
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    cells = []
 
-    agg = {
-        "fp4_qat": stats(2.0, 0.5),
-        "fp4_trace": stats(2.1, 0.5),
-        "fp4_trace_all staleness=3": stats(3.0, 1.0, n=2),
-        "fp4_qat staleness=3": stats(2.5, 0.5),
-        "fp4_trace fmt=mxfp4": stats(2.0, 0.4),  # no QAT of its grid values: left out
-    }
-    assert qat_overheads(agg) == [
-        "fp4_trace against fp4_qat (3 / 3 seeds): step 2.1 s against 2 s, +5.0 %; "
+    def cell(mode, step, decode, gpu=h100, seeds=1):
+        summary = {"time/step_s": step, "time/rollout/decode_s": decode}
+        for _ in range(seeds):
+            provenance = [{"first_step": 0, "device": gpu}]
+            cells.append(dict(mode=mode, state="done", summary=summary, provenance=provenance))
+
+    cell("fp4_qat", 2.0, 0.5, seeds=3)
+    cell("fp4_trace", 2.1, 0.5, seeds=2)
+    cell("fp4_trace", 2.4, 0.8)  # the third seed: 2.2 s, 1.6 outside the decode loop
+    cell("fp4_trace", 1.5, 0.5, gpu=h200)  # no QAT on an H200: not compared
+    cell("fp4_trace_all staleness=3", 3.0, 1.0, seeds=2)
+    cell("fp4_qat staleness=3", 2.5, 0.5, seeds=3)
+    cell("fp4_trace fmt=mxfp4", 2.0, 0.4)  # no QAT of its grid values: left out
+    cells.append(dict(mode="fp4_qat", state="partial"))  # unfinished: not counted
+    data = {"cells": {str(i): c for i, c in enumerate(cells)}, "modes": {}}
+    for name, c in data["cells"].items():
+        if c["state"] == "done":
+            data["modes"].setdefault(c["mode"], []).append(name)
+    assert qat_overheads(data) == [
+        f"fp4_trace against fp4_qat on {h100} (3 / 3 seeds): step 2.2 s against 2 s, +10.0 %; "
         "outside the decode loop 1.6 s against 1.5 s, +6.7 %",
-        "fp4_trace_all staleness=3 against fp4_qat staleness=3 (2 / 3 seeds): step 3 s "
-        "against 2.5 s, +20.0 %; outside the decode loop 2 s against 2 s, +0.0 %",
+        f"fp4_trace_all staleness=3 against fp4_qat staleness=3 on {h100} (2 / 3 seeds): step "
+        "3 s against 2.5 s, +20.0 %; outside the decode loop 2 s against 2 s, +0.0 %",
     ]
     records = [{"step": 0, "reward": 0.1, "guidance/bytes_per_token": 9.0}]
     records += [
