@@ -466,8 +466,8 @@ def qat_overheads(data: Mapping[str, Any]) -> list[str]:
                 continue
             parts = []
             for label, value in (("step", _step_s), ("outside the decode loop", _outside_decode)):
-                t, q = _mean_of(value, cells), _mean_of(value, qat)
-                if t is not None and q:
+                (t, _, nt), (q, _, nq) = (mean_spread([value(s) for s in g]) for g in (cells, qat))
+                if nt and nq and q:
                     parts.append(f"{label} {t:.3g} s against {q:.3g} s, {100 * (t / q - 1):+.1f} %")
             if parts:
                 n = f"{len(cells)} / {len(qat)} seeds"
@@ -479,11 +479,6 @@ def device(cell: Mapping[str, Any]) -> str:
     """The kind of GPU (or CPU) a cell ran on, by its ``provenance``."""
     kinds = {p.get("device") for p in cell.get("provenance") or []} - {None}
     return kinds.pop() if len(kinds) == 1 else ("several devices" if kinds else "unknown device")
-
-
-def _mean_of(value, summaries: Sequence[Mapping[str, float]]) -> float | None:
-    got = [v for v in map(value, summaries) if v is not None]
-    return sum(got) / len(got) if got else None
 
 
 def _step_s(summary: Mapping[str, float]) -> float | None:

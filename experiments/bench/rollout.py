@@ -456,7 +456,7 @@ def run_engine(name: str, args, cfg: ModelConfig) -> dict:
         return out
     kind = out["device"]
     if args.child:  # the device, weights and build time, kept where the process is stopped later
-        print("RESULT " + json.dumps(out), flush=True)
+        _to_parent(out)
     label = f"{name} on {kind}"
     jobs = [(f"{label}, batch {b}, gens {g}", eng, b) for b, _, g, eng, _ in queue if eng]
     precompile(jobs, args.cache_dir)
@@ -489,7 +489,7 @@ def run_engine(name: str, args, cfg: ModelConfig) -> dict:
             out["rows"].append(dict(row, device=kind))
             print(f"  {label}: {_progress(row, mem)}", flush=True)
         if args.child:
-            print("RESULT " + json.dumps(out), flush=True)
+            _to_parent(out)
     if args.profile:
         out["profile"] = profile(model, engine_spec, cfg, args, args.batches[0])
     return out
@@ -810,6 +810,11 @@ def _in_child(name: str, argv: list[str], result: dict) -> None:
         result["error"] = f"exit {proc.returncode}: {last.strip()[:160]}"
 
 
+def _to_parent(result: dict) -> None:
+    """An engine's result so far, for the parent process (``_in_child`` keeps the latest)."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 class _Stopped(Exception):
     """SIGTERM (a time limit): report what was measured."""
 
@@ -831,7 +836,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.child:
         result = run_engine(args.child, args, cfg)
-        print("RESULT " + json.dumps(result), flush=True)
+        _to_parent(result)
         print("DONE", flush=True)
         return [result]
     if args.compile_only:
