@@ -11,6 +11,8 @@ rows or of the weights.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -32,24 +34,37 @@ def applies(x: jax.Array, w: jax.Array) -> bool:
     return major == "9" and k % 128 == 0 and n % 128 == 0
 
 
-def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """[M, K] bf16 x [E, K, N] bf16 -> [M, N] bf16: rows of expert e times ``w[e]``."""
+# JAX's kernels are plain functions: each call site would lower its kernel again (an unrolled
+# decode step of 48 MoE layers lowers it 48 times). Jitted, calls of one shape share one traced
+# program, which JAX lowers once per module (XLA inlines the calls).
+@functools.partial(jax.jit, static_argnames=("transpose_rhs",))
+def _ragged_dot(x, w, group_sizes, transpose_rhs=False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **TILE)
+    return ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **TILE
+    )
+
+
+@jax.jit
+def _transposed_ragged_dot(x, g, group_sizes):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **TILE)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[M, K] bf16 x [E, K, N] bf16 -> [M, N] bf16: rows of expert e times ``w[e]``."""
+    return _ragged_dot(x, w, group_sizes)
 
 
 def ragged_dot_transposed(g: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """[M, N] bf16 x [E, K, N] bf16 -> [M, K] bf16: rows of expert e times ``w[e].T`` (the
     input gradient)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(g, w, group_sizes=group_sizes, transpose_rhs=True, **TILE)
+    return _ragged_dot(g, w, group_sizes, transpose_rhs=True)
 
 
 def weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """[M, K] bf16, [M, N] bf16 -> [E, K, N] bf16: ``x[rows of e].T @ g[rows of e]`` per expert
     (zero for an expert without rows)."""
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **TILE)
+    return _transposed_ragged_dot(x, g, group_sizes)

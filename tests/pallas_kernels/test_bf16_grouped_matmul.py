@@ -48,3 +48,29 @@ def test_kernels_equal_the_blocked_form_forward_and_backward(rows, monkeypatch):
         assert a.dtype == b.dtype == jnp.bfloat16
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-2)
+
+
+def test_calls_of_one_shape_lower_the_kernel_once():
+    """Lowered for CUDA (no GPU needed): four layers' calls of one shape hold the Mosaic GPU
+    kernels' bodies once, as one layer does (JAX's kernels are plain functions: unjitted, each call
+    site lowers its own copy, and an unrolled 48-layer decode step lowered it 48 times). The
+    weight gradient's kernel reads the device's SM count as it lowers: not lowered here."""
+    from pallas_kernels.cuda_lowering import export_for_cuda
+
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def text(layers):
+        def model(x, w, gs):
+            for _ in range(layers):
+                x = bgm.ragged_dot(x, w, gs)
+                x = bgm.ragged_dot_transposed(x, w, gs)
+            return x
+
+        return export_for_cuda(model, x, w, gs)
+
+    one, four = text(1), text(4)
+    assert one.count("mosaic_gpu") > 0
+    assert four.count("mosaic_gpu") == one.count("mosaic_gpu")
+    assert len(four) < 1.1 * len(one)
