@@ -511,7 +511,8 @@ def starts(data: Mapping) -> str:
 def origins(data: Mapping) -> str:
     """The commits and devices the finished cells' steps ran on (their ``provenance``), in
     bold where they are several: results of other code, or timings of other GPUs, side by
-    side."""
+    side; where the commits are several, whether the code a run executes
+    (``runlog.run_code``) was the same in all."""
     lines = [
         p
         for c in data["cells"].values()
@@ -532,6 +533,14 @@ def origins(data: Mapping) -> str:
         if len(commits) == 1
         else f"**The finished cells ran at several commits** (processes): {listed(commits)}"
     )
+    if len(commits) > 1:  # documents and reports change between calls; what ran may not
+        runs = Counter(runlog.run_code(p.get("tree")) or "unknown" for p in lines)
+        what = "the code a run executes (`runlog.RUN_CODE`)"
+        code += (
+            f"; {what} was the same in every one (`{next(iter(runs))}`)"
+            if len(runs) == 1 and "unknown" not in runs
+            else f"; **{what} differed**: {listed(runs)}"
+        )
     where = (
         f"on {next(iter(devices))}"
         if len(devices) == 1

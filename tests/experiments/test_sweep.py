@@ -253,6 +253,8 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     assert (
         "**The finished cells ran at several commits** (processes)" in flagged
         and "`0123456 +dirty` (1)" in flagged
+        # the other process's code unknown (no tree recorded): not taken as the same
+        and "**the code a run executes (`runlog.RUN_CODE`) differed**" in flagged
     )
     assert (
         "**on several kinds of device** (timings not comparable): "

@@ -59,6 +59,44 @@ def test_a_checkout_with_a_stale_head_is_named_by_the_commit_of_its_files(tmp_pa
     runlog._commits_by_tree.cache_clear()
 
 
+def test_the_code_a_run_executes_is_named_apart_from_the_commit(tmp_path, monkeypatch):
+    """Commits that change documents alone ran the same code (``run_code`` equal); one that
+    changes the package, the configs or the entry point did not; a tree this repository does
+    not hold is unknown (None)."""
+    repo = tmp_path / "repo"
+    for path, text in {
+        "trace_jax/a.py": "x = 1\n",
+        "configs/c.yaml": "lr: 1\n",
+        "experiments/runner.py": "run = 1\n",
+        "experiments/report.py": "table = 1\n",
+        "README.md": "one\n",
+    }.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    _git(repo, "init", "-q")
+    trees = []
+
+    def commit(path, text):
+        if path:
+            (repo / path).write_text(text)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-qm", path or "first")
+        trees.append(_git(repo, "rev-parse", "HEAD^{tree}"))
+
+    commit(None, None)
+    commit("README.md", "two\n")  # documents and reports: the same code ran
+    commit("experiments/report.py", "table = 2\n")
+    commit("trace_jax/a.py", "x = 2\n")  # the package, a config, the entry point: not
+    commit("configs/c.yaml", "lr: 2\n")
+    commit("experiments/runner.py", "run = 2\n")
+    monkeypatch.setattr(runlog, "_ROOT", repo)
+    runlog.run_code.cache_clear()
+    ids = [runlog.run_code(t) for t in trees]
+    assert ids[0] == ids[1] == ids[2] and len(set(ids[2:])) == 4, ids
+    assert runlog.run_code("0" * 40) is None and runlog.run_code(None) is None
+    runlog.run_code.cache_clear()
+
+
 def test_the_phase_means_leave_out_the_steps_that_compiled():
     # RL steps: the first (compiles), a steady one, one that met a new program (e.g. a new
     # trainer width under trim_padding), a steady one

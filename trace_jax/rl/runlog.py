@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -433,6 +434,35 @@ def code_label(p: Mapping[str, Any]) -> str:
     if not p.get("commit"):
         return "unknown"
     return p["commit"][:7] + (" +dirty" if p.get("dirty") else "")
+
+
+# What a run executes: the package, the kernels, the configs and the entry point's path to the
+# loop (not the reports, benchmarks, tests or documents, which a study's records outlive).
+RUN_CODE = (
+    "trace_jax",
+    "pallas_kernels",
+    "configs",
+    "experiments/__main__.py",
+    "experiments/registry.py",
+    "experiments/runner.py",
+    "experiments/sweep.py",
+    "experiments/pipelines",
+    "pyproject.toml",
+)
+
+
+@functools.cache
+def run_code(tree: str | None) -> str | None:
+    """A short id of the ``RUN_CODE`` paths' contents in the git tree ``tree`` (a provenance
+    line's ``tree``): equal for two processes that ran the same code, whatever else (documents,
+    reports, tests) differed between their commits. None where this repository does not hold
+    the tree."""
+    if not tree:
+        return None
+    listing = _git("ls-tree", "--full-tree", tree, "--", *RUN_CODE)
+    if not listing:
+        return None
+    return hashlib.sha1(listing.encode()).hexdigest()[:10]
 
 
 def provenance() -> dict[str, Any]:
