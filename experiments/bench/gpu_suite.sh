@@ -83,9 +83,9 @@ STEPS=(
   # does not wait for them; the second loads them). The BF16 whole model: rollout-full-bf16.
   "rollout-full|565|export XLA_PYTHON_CLIENT_PREALLOCATE=false; R=\"$PY $BENCH/rollout.py --preset qwen3-30b-a3b --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1\"; C=\"--cache-dir \$JAX_COMPILATION_CACHE_DIR\"; \$R --layers 30 --engines w4a16,bf16-pallas --compile-only \$C & timeout 300 \$R --engines w4a16 --json $OUT/rollout-full.json; timeout 240 \$R --layers 30 --engines w4a16,bf16-pallas \$C --json $OUT/rollout-full-30.json"
   # the BF16 whole model (61.1 GB of weights; at 8 k generation only an H200 holds its cache):
-  # its unrolled 48-layer decode program compiles for minutes (on an H100 beside two other
-  # compiling processes, unfinished after 9 minutes; at 30 layers 74 s to lower, 145 s to compile,
-  # at 34c139d; since 6db3e13 the Hopper grouped kernel lowers once, not once per layer)
+  # generation 1 k fits an H100, 8 k an H200 (the fit check skips what does not fit); its
+  # 30-layer decode programs lowered in ~2.5 s and compiled in 13-21 s at faa3e77 (74 + 145 s at
+  # 34c139d, when the Hopper grouped kernel lowered once per layer)
   "rollout-full-bf16|565|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1 --json $OUT/rollout-full-bf16.json"
   "rollout-full-w4a4|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a4 --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-w4a4.json"
   "rollout-full-128|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-128.json"
