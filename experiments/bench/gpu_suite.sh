@@ -84,7 +84,7 @@ STEPS=(
   "rollout-full|565|export XLA_PYTHON_CLIENT_PREALLOCATE=false; R=\"$PY $BENCH/rollout.py --preset qwen3-30b-a3b --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1\"; C=\"--cache-dir \$JAX_COMPILATION_CACHE_DIR\"; \$R --layers 30 --engines w4a16,bf16-pallas --compile-only \$C & timeout 300 \$R --engines w4a16 --json $OUT/rollout-full.json; timeout 240 \$R --layers 30 --engines w4a16,bf16-pallas \$C --json $OUT/rollout-full-30.json"
   # the BF16 whole model (61.1 GB of weights; at 8 k generation only an H200 holds its cache):
   # generation 1 k fits an H100, 8 k an H200 (the fit check skips what does not fit); its
-  # 30-layer decode programs lowered in ~2.5 s and compiled in 13-21 s at faa3e77 (74 + 145 s at
+  # 30-layer decode programs lowered in ~2.5 s and compiled in ~21 s at faa3e77 (74 + 145 s at
   # 34c139d, when the Hopper grouped kernel lowered once per layer)
   "rollout-full-bf16|565|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 1 --json $OUT/rollout-full-bf16.json"
   "rollout-full-w4a4|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a4 --batches 32,64,128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-w4a4.json"
