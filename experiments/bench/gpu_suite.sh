@@ -91,6 +91,11 @@ STEPS=(
   "rollout-full-128|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --engines w4a16,bf16-pallas --batches 128 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-full-128.json"
   "rollout-layers|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 16 --engines w4a16,bf16,bf16-pallas --batches 32,64 --prompt 512 --gens 1024,8192 --window 16 --repeats 2 --json $OUT/rollout-layers.json"
   "rollout-profile|480|$PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a4,bf16-pallas --batches 64 --prompt 512 --gens 1024 --window 16 --repeats 2 --profile --json $OUT/rollout-profile.json"
+  # the decode step with XLA's command buffers (CUDA graphs) off, as they come, and over every
+  # kind of command the flag takes (loops and custom calls: the kernels) from one command up:
+  # whether launching the ~dozens of small ops and kernels a layer bounds the FP4 engine at
+  # 45 % of its floor (~135 us a layer beyond its bytes, BENCHMARKS "The whole model on one H100")
+  "rollout-graphs|480|for f in --xla_gpu_enable_command_buffer= '' '--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1'; do echo \"XLA_FLAGS=\$f\"; XLA_FLAGS=\"\$f\" timeout 150 $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16,bf16-pallas --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 2 | grep -A3 '^engine  '; done"
   "rollout-check|480|for m in window full; do $PY $BENCH/rollout.py --preset qwen3-30b-a3b --layers 8 --engines w4a16 --batches 32 --prompt 512 --gens 1024 --window 16 --repeats 1 --mode \$m; done"
   "engine-tests|300|$PY -m pytest -q -p no:cacheprovider tests/rollout/test_engine_pallas.py"
   # RL (the entry point needs the wheels of ../shared/tools/gpu-wheels; run dirs in runs/)
