@@ -172,9 +172,12 @@ class MoE(nnx.Module):
         )
         gate = layers.expert_matmul(xs, w_gate, group_sizes)
         up = layers.expert_matmul(xs, w_up, group_sizes)
-        act = layers.permute_rows(jax.nn.silu(gate) * up, inverse).reshape(b, t, k, -1)
-        act = sites.activation(site_name(layer, "experts.down.act"), act, layer)
-        act = layers.permute_rows(act.reshape(b * t * k, -1), order)  # per (token, slot) above
+        act = jax.nn.silu(gate) * up
+        if sites.site_mode(layer, "act") != "off":  # the site sees (and records) rows in
+            # (token, slot) order: there and back (an off site would be two gathers for nothing)
+            act = layers.permute_rows(act, inverse).reshape(b, t, k, -1)
+            act = sites.activation(site_name(layer, "experts.down.act"), act, layer)
+            act = layers.permute_rows(act.reshape(b * t * k, -1), order)
         down = layers.expert_matmul(act, w_down, group_sizes)
         down = layers.permute_rows(down, inverse).reshape(b * t, k, h)
         y = jnp.sum(down.astype(jnp.float32) * weights[..., None], axis=1).astype(dt)
