@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tempfile
 
+import jax
 import numpy as np
 
 from experiments.runner import deterministic_flags, resolve
@@ -36,15 +38,21 @@ from trace_jax.rl.loop import RLRun
 from trace_jax.rollout.engine import RolloutEngine
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _trainer_records(trainer, params, batch) -> dict:
+    """The trainer's forward over ``batch`` recording its codes: its records (one program)."""
+    return trainer._forward(params, batch, record_codes=True).records
+
+
 def mismatches(run: RLRun, params, batch) -> dict[str, np.ndarray]:
     """site name -> [R, S] int: elements per token whose trainer code differs from the
     rollout's (+0 and -0 equal), for the batch's ``code_rows``; and "far" -> the same counting
     only those two or more codebook steps apart (summed over sites)."""
-    out = run.trainer._forward(params, batch, record_codes=True)
+    records = _trainer_records(run.trainer, params, batch)
     rows = batch.code_rows
     per_site, far = {}, 0
     for name, rollout in sorted(batch.rollout_codes.items()):
-        train = fp4.take_rows(out.records[name + ".codes"], rows)
+        train = fp4.take_rows(records[name + ".codes"], rows)
         q_t, q_r = fp4.code_values(train), fp4.code_values(rollout)
         steps = np.abs(
             np.asarray(metrics.signed_code_index(q_t)) - np.asarray(metrics.signed_code_index(q_r))

@@ -66,6 +66,13 @@ def mismatch_report(
     rollout recorded. ``mismatch/route_rate`` compares the trainer router's own top-k with the
     rollout's experts.
     """
+    report = _report(out, state, policy, num_layers, sampling)
+    return {k: float(v) for k, v in jax.device_get(report).items()}
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _report(out, state, policy, num_layers, sampling) -> dict[str, jax.Array]:
+    """``mismatch_report``'s values as float32 scalars (one program)."""
     gen = state.generated
     train_logp = metrics.token_logprobs(out.logits, state.tokens, sampling)
     report = metrics.logp_mismatch(train_logp, state.logprobs, gen)
@@ -77,4 +84,4 @@ def mismatch_report(
     if out.router_choice is not None:
         per_layer = metrics.route_mismatch(out.router_choice, jnp.moveaxis(state.routes, 2, 0), gen)
         report["mismatch/route_rate"] = jnp.mean(per_layer)
-    return {k: float(v) for k, v in jax.device_get(report).items()}
+    return report
