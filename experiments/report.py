@@ -546,7 +546,21 @@ def origins(data: Mapping) -> str:
         if len(devices) == 1
         else f"**on several kinds of device** (timings not comparable): {listed(devices)}"
     )
-    return f"{code}, {where}."
+    # XLA's code generation (its flags; on a CPU, the host's instruction set) changes float
+    # roundings: a warm start's parameters, and every run from them, with it
+    recorded = [p for p in lines if "xla_flags" in p]
+    flags = Counter(f"`{p['xla_flags'] or '(none)'}`" for p in recorded)
+    hosts = Counter(p.get("host", "unknown") for p in recorded)
+    setting = ""
+    if len(flags) > 1:
+        setting += f"; **under several XLA_FLAGS** (other roundings): {listed(flags)}"
+    elif flags:
+        setting += f"; XLA_FLAGS {next(iter(flags))}"
+    if len(hosts) > 1:
+        setting += f"; **on several host CPUs**: {listed(hosts)}"
+    elif hosts:
+        setting += f"; host CPU {next(iter(hosts))}"
+    return f"{code}, {where}{setting}."
 
 
 def _cell(stat: Mapping[str, float] | None) -> str:

@@ -239,8 +239,9 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
     # ... and one that ran at another commit, on another device
     (origin,) = json.loads(results.read_text())["provenance"]
     assert "ran at commit" in table  # the sweep's own cells: one commit, one device
+    assert "; XLA_FLAGS `" in table and "several XLA_FLAGS" not in table
     other = {**origin, "commit": "0123456789abcdef", "dirty": True, "tree": None}
-    other["device"] = "Other GPU"
+    other.update(device="Other GPU", xla_flags="--xla_gpu_deterministic_ops=true")
     results.write_text(json.dumps({**json.loads(results.read_text()), "provenance": [other]}))
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r2")]) == 0
     flagged = (tmp_path / "r2" / "report.md").read_text()
@@ -260,6 +261,10 @@ def test_a_killed_sweep_resumes_its_missing_cells_and_reports(
         "**on several kinds of device** (timings not comparable): "
         f"Other GPU (1), {origin['device']} (4)" in flagged  # processes: a resumed cell has two
     )
+    own = f"`{origin['xla_flags'] or '(none)'}` (4)"
+    assert "**under several XLA_FLAGS** (other roundings): " in flagged and own in flagged
+    assert "`--xla_gpu_deterministic_ops=true` (1)" in flagged
+    assert f"; host CPU {runlog.host_cpu()}." in flagged  # one host: named, not flagged
     # ... and the sweep, started again, stops before it runs anything else
     assert main(["sweep", path]) == 2
     err = one_line(capsys.readouterr().err)

@@ -47,8 +47,12 @@ def test_a_checkout_with_a_stale_head_is_named_by_the_commit_of_its_files(tmp_pa
     monkeypatch.setattr(runlog, "_ROOT", repo)
     runlog._commits_by_tree.cache_clear()
     objects = sorted(p.name for p in (repo / ".git" / "objects").rglob("*"))
+    monkeypatch.setenv("XLA_FLAGS", " --xla_backend_optimization_level=0 ")
     origin = runlog.provenance()
     assert origin["commit"] == old and origin["dirty"] and origin["tree"] == new_tree
+    # what changes a run's roundings besides its code: XLA's flags, the host's CPU
+    assert origin["xla_flags"] == "--xla_backend_optimization_level=0"
+    assert origin["host"] == runlog.host_cpu() != ""
     assert sorted(p.name for p in (repo / ".git" / "objects").rglob("*")) == objects  # unwritten
     assert runlog.code_label(origin) == new[:7]
     # files that are no commit's: the recorded HEAD, marked

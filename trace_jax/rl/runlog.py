@@ -465,11 +465,27 @@ def run_code(tree: str | None) -> str | None:
     return hashlib.sha1(listing.encode()).hexdigest()[:10]
 
 
+def host_cpu() -> str:
+    """The host's CPU model (``/proc/cpuinfo``'s first ``model name``; else the platform's
+    processor string, "unknown" where neither says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def provenance() -> dict[str, Any]:
     """What this process runs: ``commit`` (the checkout's HEAD; None outside a git checkout),
     ``dirty`` (tracked files differ from it), ``tree`` (``worktree_tree``: the files' git tree,
     which names the commit they are where HEAD is stale), ``device`` (kind of the first device),
-    ``devices``, ``jax``, ``date`` (UTC) and ``command``."""
+    ``devices``, ``host`` (``host_cpu``), ``xla_flags`` (``XLA_FLAGS``: XLA's code generation
+    changes a run's float roundings, and a CPU warm start's parameters with it), ``jax``,
+    ``date`` (UTC) and ``command``."""
     import jax
 
     commit = _git("rev-parse", "HEAD")
@@ -480,6 +496,8 @@ def provenance() -> dict[str, Any]:
         "tree": worktree_tree(),
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
+        "host": host_cpu(),
+        "xla_flags": os.environ.get("XLA_FLAGS", "").strip(),
         "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
