@@ -24,6 +24,7 @@ from experiments.runner import (
     execute,
     init_distributed,
     resolve,
+    stop_on_sigint,
     without_closed_loop_reports,
 )
 from trace_jax.model.hf import CheckpointError
@@ -188,4 +189,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # tensorstore's orphaned-callback reports can come after main returns, until the process ends
     sys.unraisablehook = without_closed_loop_reports(sys.unraisablehook)
+    stop_on_sigint()
     sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
@@ -98,6 +99,15 @@ def deterministic_flags(flags: str, started: bool, backend) -> str:
 def settings_diff(old: dict, new: dict) -> list:
     """``config_diff`` without the ``OPERATIONAL`` keys (at any depth)."""
     return [d for d in config_diff(old, new) if d[0].rsplit(".", 1)[-1] not in OPERATIONAL]
+
+
+def stop_on_sigint() -> None:
+    """SIGINT (Ctrl-C; what ``sweep --jobs`` sends its cells at a time limit) stops this process
+    as Python's default does, by ``KeyboardInterrupt``: a run then closes its files and names
+    its last checkpoint. Also where the process started with SIGINT ignored, as a command
+    started in the background (``&`` in a script, and so its children) does: it would
+    otherwise be waited out, then killed, with no checkpoint. In the main thread only."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Interrupted(KeyboardInterrupt):

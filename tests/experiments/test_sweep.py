@@ -6,6 +6,7 @@ metrics files."""
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from cpu_jobs import ROOT, cpu_env
 from flax import nnx
 
 from experiments import sweep as sweep_mod
@@ -402,7 +404,9 @@ def test_jobs_run_cells_in_processes_at_once_from_one_warm_start(
 
 def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, small_yaml):
     """Ctrl-C (or a time limit) in the parent of ``--jobs``: every running cell gets the SIGINT
-    a run stops on (its files closed, its last checkpoint named), and is waited for."""
+    a run stops on (its files closed, its last checkpoint named), and is waited for; also where
+    the sweep runs with SIGINT ignored (started in the background), which its cells inherit:
+    a cell's process, as the entry point does, stops on it again (``runner.stop_on_sigint``)."""
     started = []
 
     procs = []
@@ -410,6 +414,7 @@ def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, sm
     ready = tmp_path / "ready"
     ready.mkdir()
     cell = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)"
+    cell = f"from experiments.runner import stop_on_sigint; stop_on_sigint(); {cell}"
 
     def popen(args, **kw):  # a cell that says it runs, then runs until interrupted
         started.append(args[-1])
@@ -431,12 +436,39 @@ def test_an_interrupted_parallel_sweep_stops_its_cells(tmp_path, monkeypatch, sm
     monkeypatch.setattr(sweep_mod.time, "sleep", sleep)
     sweep = load_sweep(sweep_file(tmp_path, small_yaml()))
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        sweep_mod.run_sweep(sweep, jobs=3)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in `sweep ... &` in a script
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sweep_mod.run_sweep(sweep, jobs=3)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     assert started == CELLS[:3] and time.monotonic() - t0 < 30  # stopped, not waited out
     assert [p.returncode for p in procs] == [-2] * 3  # each ended by the SIGINT it got
     for cell in CELLS[:3]:
         assert (tmp_path / "sweep" / "logs" / f"{cell}.log").is_file()
+
+
+ENTRY_POINT_UNDER_IGNORED_SIGINT = """
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a command started in the background
+sys.argv = ["experiments", "list"]
+try:
+    runpy.run_module("experiments", run_name="__main__")
+except SystemExit:
+    print("stops on SIGINT:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_the_entry_point_stops_on_sigint_where_started_with_it_ignored():
+    run = subprocess.run(
+        [sys.executable, "-c", ENTRY_POINT_UNDER_IGNORED_SIGINT],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert "stops on SIGINT: True" in run.stdout, run.stdout + run.stderr[-2000:]
 
 
 def test_a_budget_ends_the_sweep_in_time(tmp_path, monkeypatch, capsys, small_yaml):
