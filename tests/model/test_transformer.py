@@ -214,7 +214,7 @@ def test_scanned_layers_compute_what_the_per_layer_loop_does():
     compiled again in the loop's programs)."""
     cfg = CFG.replace(num_layers=5, mlp_only_layers=(0,))
     m = Transformer(cfg, nnx.Rngs(3))
-    tok = tokens()
+    tok = tokens()  # the other tests' shape: the eager per-layer loop reuses their FP4 programs
     last2 = dict(guided_layers="last_k", guided_last_k=2)
     rollout, trace = QuantPolicy.rollout(record_codes=True, **last2), QuantPolicy.trace(**last2)
     assert m._runs(SiteContext(trace, 5)) == [(0, 1), (1, 3), (3, 5)]
@@ -224,8 +224,7 @@ def test_scanned_layers_compute_what_the_per_layer_loop_does():
 
     # One compiled body instead of several: float sums may associate differently (f32 ulps).
     close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
-    forward = nnx.jit(lambda m, s: m(tok, policy=rollout, scan_layers=s), static_argnums=1)
-    loop, scan = (forward(m, s) for s in (False, True))
+    loop, scan = (m(tok, policy=rollout, scan_layers=s) for s in (False, True))
 
     def same(a, b):  # codes, mantissa bits and routes exactly; scales and values to f32 ulps
         a, b = np.asarray(a), np.asarray(b)
